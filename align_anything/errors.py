@@ -1,0 +1,29 @@
+"""User-facing errors: one message that names the problem and the fix, raised before any compute."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class UserError(Exception):
+    """A mistake in the user's input (config, data, model, paths). The entry point prints the
+    message without a traceback and exits with status 2."""
+
+
+class ConfigError(UserError):
+    """A wrong key, value or combination in the resolved config or DeepSpeed preset."""
+
+
+class DataError(UserError):
+    """A dataset that cannot be read or does not have the expected shape."""
+
+
+class ModelError(UserError):
+    """A model or tokenizer that cannot be found or used."""
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    """Return ` (did you mean 'x'?)` for the closest candidate, or an empty string."""
+    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
