@@ -1,0 +1,445 @@
+"""Loss functions for SFT, the DPO family and reward models.
+
+Every function here is pure: tensors in, tensors out. No config objects, no distributed calls;
+the trainers turn config values into the keyword arguments below.
+
+Label convention (shared with the data pipeline): `labels` has the same shape as `input_ids`,
+positions that are not scored (prompt, padding, media placeholders) hold `IGNORE_INDEX` (-100),
+and the next-token shift happens here: `logits[:, t]` predicts `labels[:, t + 1]`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+IGNORE_INDEX = -100
+
+# Sequence positions per chunk in `token_logps`. Peak extra memory is about
+# batch × chunk_size × vocab × 4 bytes (one fp32 chunk, plus one temporary in backward).
+DEFAULT_CHUNK_SIZE = 256
+
+# The loss types `dpo_loss` understands; the trainer config validates against this tuple.
+DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
+REFERENCE_FREE_LOSS_TYPES: tuple[str, ...] = ("simpo", "orpo")
+# Types whose formula uses length-normalised log-probs, so token counts are required.
+_NEEDS_TOKEN_COUNTS: tuple[str, ...] = ("ipo", "simpo", "orpo")
+_SMOOTHED_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "robust", "simpo")
+
+
+# --------------------------------------------------------------------------------------------
+# Token log-probabilities
+# --------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 at least: bf16/fp16 logsumexp over a 100k+ vocabulary loses most of its digits.
+    # fp64 stays fp64 so that gradcheck can test the hand-written backward.
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """log p(label) per position, computed chunk by chunk over the sequence.
+
+    Autograd through `logits.float().log_softmax(-1).gather(...)` would keep an fp32 copy of
+    the whole [B, T, V] logits alive until backward. Here forward keeps only the per-position
+    logsumexp ([B, T-1]), and backward recomputes softmax one chunk at a time, so the extra
+    memory is one fp32 chunk in either direction.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, logits: Tensor, labels: Tensor, chunk_size: int
+    ) -> Tensor:
+        batch, seq_len, _ = logits.shape
+        targets = labels[:, 1:]
+        scored = targets != IGNORE_INDEX
+        # gather needs a valid index at ignored positions; their values are zeroed below.
+        safe_targets = targets.masked_fill(~scored, 0)
+        dtype = _compute_dtype(logits.dtype)
+        logps = torch.empty((batch, seq_len - 1), dtype=dtype, device=logits.device)
+        lse = torch.empty_like(logps)
+        for start in range(0, seq_len - 1, chunk_size):
+            end = min(start + chunk_size, seq_len - 1)
+            chunk = logits[:, start:end].to(dtype)
+            chunk_lse = torch.logsumexp(chunk, dim=-1)
+            target_logit = chunk.gather(-1, safe_targets[:, start:end, None]).squeeze(-1)
+            logps[:, start:end] = target_logit - chunk_lse
+            lse[:, start:end] = chunk_lse
+        logps.masked_fill_(~scored, 0.0)
+        ctx.save_for_backward(logits, safe_targets, scored, lse)
+        ctx.chunk_size = chunk_size  # type: ignore[attr-defined]
+        return logps
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_logps: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        logits, safe_targets, scored, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        chunk_size: int = ctx.chunk_size  # type: ignore[attr-defined]
+        seq_len = logits.shape[1]
+        dtype = lse.dtype
+        # Ignored positions were set to a constant 0 in forward, so they pass no gradient.
+        grad = grad_logps.to(dtype) * scored
+        grad_logits = torch.empty_like(logits)
+        # The last position predicts nothing (there is no label after it).
+        grad_logits[:, seq_len - 1 :].zero_()
+        for start in range(0, seq_len - 1, chunk_size):
+            end = min(start + chunk_size, seq_len - 1)
+            chunk = logits[:, start:end].to(dtype)
+            g = grad[:, start:end, None]
+            # d(logit[y] - logsumexp(logit)) / d logit = onehot(y) - softmax(logit)
+            chunk_grad = (chunk - lse[:, start:end, None]).exp_().mul_(-g)
+            chunk_grad.scatter_add_(-1, safe_targets[:, start:end, None], g)
+            grad_logits[:, start:end] = chunk_grad
+        return grad_logits, None, None
+
+
+def _check_logits_labels(logits: Tensor, labels: Tensor, chunk_size: int) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [batch, seq, vocab], got shape {tuple(logits.shape)}")
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"labels must have the shape of input_ids, {tuple(logits.shape[:2])} here "
+            f"(logits {tuple(logits.shape)}), got {tuple(labels.shape)}"
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+
+
+def token_logps(logits: Tensor, labels: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """Per-position log-probability of the next-token target.
+
+    Args:
+        logits: [B, T, V] model outputs, any float dtype.
+        labels: [B, T] token ids aligned with `input_ids`; `IGNORE_INDEX` where not scored.
+        chunk_size: sequence positions processed at once; bounds the fp32 working memory to
+            about B × chunk_size × V × 4 bytes in forward and in backward.
+
+    Returns:
+        [B, T-1] tensor in fp32 (fp64 for fp64 logits): entry t is log p(labels[:, t+1] | ..t),
+        0 at ignored positions.
+    """
+    _check_logits_labels(logits, labels, chunk_size)
+    return _ChunkedTokenLogps.apply(logits, labels.long(), chunk_size)
+
+
+def completion_logps(
+    logits: Tensor, labels: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[Tensor, Tensor]:
+    """Summed log-probability of each sequence's scored tokens, and how many there are.
+
+    Args: as for `token_logps`.
+
+    Returns:
+        (logps [B] fp32: sum of log p over the scored target tokens,
+         token_counts [B] int64: number of scored target tokens).
+        Divide the first by the second for the length-normalised log-prob.
+    """
+    per_token = token_logps(logits, labels, chunk_size=chunk_size)
+    token_counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)
+    return per_token.sum(dim=-1), token_counts
+
+
+# --------------------------------------------------------------------------------------------
+# SFT
+# --------------------------------------------------------------------------------------------
+
+
+def sft_loss(
+    logits: Tensor,
+    labels: Tensor,
+    *,
+    num_items: int | float | Tensor | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tensor:
+    """Next-token negative log-likelihood over the scored tokens, summed then divided.
+
+    Args:
+        logits, labels: as for `token_logps`.
+        num_items: the divisor. For exact gradient accumulation pass the number of scored
+            tokens in the whole optimizer step (all micro-batches, all ranks): then the summed
+            gradients equal those of one big batch averaged per token, whatever the lengths
+            of the micro-batches. The caller must undo any averaging the engine applies on top
+            (DeepSpeed scales each micro-batch loss by 1/gradient_accumulation_steps and
+            averages gradients over ranks). None: this batch's own scored-token count.
+        chunk_size: see `token_logps`.
+
+    Returns:
+        Scalar loss. A batch without scored tokens (num_items None) gives 0, not NaN, and
+        no gradient: truncation can legitimately leave a micro-batch with nothing to learn.
+    """
+    summed_logps, token_counts = completion_logps(logits, labels, chunk_size=chunk_size)
+    nll = -summed_logps.sum()
+    if num_items is None:
+        return nll / token_counts.sum().clamp(min=1)
+    if isinstance(num_items, Tensor):
+        return nll / num_items.to(nll.dtype)
+    if num_items <= 0:
+        raise ValueError(f"num_items must be a positive token count, got {num_items}")
+    return nll / num_items
+
+
+# --------------------------------------------------------------------------------------------
+# DPO family
+# --------------------------------------------------------------------------------------------
+
+
+class DPOLossOutput(NamedTuple):
+    """Per-pair results of `dpo_loss`; take `losses.mean()` for the batch loss.
+
+    `chosen_rewards` / `rejected_rewards` are detached implicit rewards for logging:
+    β·(policy − reference) for the reference-based types, β·(length-normalised policy
+    log-prob) for simpo and orpo, computed on the same log-probs the loss used.
+    """
+
+    losses: Tensor
+    chosen_rewards: Tensor
+    rejected_rewards: Tensor
+
+
+def _log1mexp(x: Tensor) -> Tensor:
+    """log(1 - exp(x)) for x < 0, accurate at both ends (Mächler 2012)."""
+    # Near 0, 1 - exp(x) cancels: use expm1. Far below, exp(x) is tiny: use log1p.
+    return torch.where(
+        x > -math.log(2.0),
+        torch.log(-torch.expm1(x)),
+        torch.log1p(-torch.exp(x)),
+    )
+
+
+def _per_token(logps: Tensor, token_counts: Tensor) -> Tensor:
+    return logps / token_counts.to(logps.dtype)
+
+
+def dpo_loss(
+    policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None = None,
+    ref_rejected_logps: Tensor | None = None,
+    *,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_token_counts: Tensor | None = None,
+    rejected_token_counts: Tensor | None = None,
+    simpo_gamma: float = 0.5,
+    orpo_lambda: float = 0.1,
+) -> DPOLossOutput:
+    """Preference losses from summed completion log-probs, one loss per (chosen, rejected) pair.
+
+    All log-prob arguments are [B] sums over completion tokens, as `completion_logps` returns.
+    With the log-ratio difference h = (π_c − ref_c) − (π_r − ref_r) and z = β·h:
+
+    - sigmoid: −(1−ε)·logσ(z) − ε·logσ(−z). ε = label_smoothing ∈ [0, 0.5] is the
+      conservative DPO flip probability; ε = 0 is plain DPO (Rafailov et al. 2023).
+    - ipo: (h − 1/(2β))² (Azar et al. 2023). As in the IPO paper, h is built from
+      log-probs averaged over tokens: each of the four log-probs is divided by its
+      sequence's token count (the reference ones by the count of the same completion), so
+      token counts are required; pass ones if the log-probs are already averaged.
+    - hinge: relu(1 − z) (SLiC, Zhao et al. 2023).
+    - robust: ((1−ε)·(−logσ(z)) − ε·(−logσ(−z))) / (1−2ε), ε ∈ [0, 0.5): an unbiased
+      estimate of the clean loss under label flips with probability ε (Chowdhury et al. 2024).
+    - simpo: −logσ(β·(avg_c − avg_r) − γ), avg = summed log-prob / token count,
+      γ = simpo_gamma (Meng et al. 2024). label_smoothing applies as in sigmoid.
+    - orpo: −avg_c − λ·logσ(log_odds_c − log_odds_r), log_odds = avg − log(1 − exp(avg)),
+      λ = orpo_lambda (Hong et al. 2024). The NLL term is the chosen completion's per-token
+      mean, per pair; the original ORPO averages over all chosen tokens of the batch
+      instead, which differs only when completion lengths differ. β scales only the logged
+      rewards.
+
+    simpo and orpo are reference-free: the ref arguments may be None and are ignored.
+
+    Raises:
+        ValueError: unknown loss_type (the message lists DPO_LOSS_TYPES), an input the loss
+            type needs but was not given, mismatched shapes, or an out-of-range parameter.
+    """
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(
+            f"unknown DPO loss_type {loss_type!r}; expected one of {', '.join(DPO_LOSS_TYPES)}"
+        )
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if label_smoothing and loss_type not in _SMOOTHED_LOSS_TYPES:
+        raise ValueError(
+            f"label_smoothing={label_smoothing} has no effect with loss_type={loss_type!r}; "
+            f"it applies to {', '.join(_SMOOTHED_LOSS_TYPES)}"
+        )
+    # robust divides by 1 - 2ε, so it excludes ε = 0.5; cDPO at ε = 0.5 is merely uninformative.
+    robust = loss_type == "robust"
+    below_max = label_smoothing < 0.5 if robust else label_smoothing <= 0.5
+    if label_smoothing < 0 or not below_max:
+        allowed = "[0, 0.5)" if robust else "[0, 0.5]"
+        raise ValueError(
+            f"label_smoothing for loss_type={loss_type!r} must be in {allowed}, "
+            f"got {label_smoothing}"
+        )
+
+    reference_free = loss_type in REFERENCE_FREE_LOSS_TYPES
+    named: dict[str, Tensor | None] = {
+        "policy_chosen_logps": policy_chosen_logps,
+        "policy_rejected_logps": policy_rejected_logps,
+    }
+    if not reference_free:
+        missing = [
+            name
+            for name, value in (
+                ("ref_chosen_logps", ref_chosen_logps),
+                ("ref_rejected_logps", ref_rejected_logps),
+            )
+            if value is None
+        ]
+        if missing:
+            raise ValueError(
+                f"loss_type={loss_type!r} needs reference log-probs; missing {', '.join(missing)} "
+                f"(reference-free types: {', '.join(REFERENCE_FREE_LOSS_TYPES)})"
+            )
+        named["ref_chosen_logps"] = ref_chosen_logps
+        named["ref_rejected_logps"] = ref_rejected_logps
+    if loss_type in _NEEDS_TOKEN_COUNTS:
+        if chosen_token_counts is None or rejected_token_counts is None:
+            raise ValueError(
+                f"loss_type={loss_type!r} uses length-normalised log-probs; pass "
+                "chosen_token_counts and rejected_token_counts (the counts from completion_logps)"
+            )
+        named["chosen_token_counts"] = chosen_token_counts
+        named["rejected_token_counts"] = rejected_token_counts
+        if bool((chosen_token_counts <= 0).any() or (rejected_token_counts <= 0).any()):
+            raise ValueError("token counts must be positive: a completion has no scored tokens")
+    shapes = {name: tuple(t.shape) for name, t in named.items() if t is not None}
+    if len(set(shapes.values())) != 1:
+        raise ValueError(f"dpo_loss inputs must share one shape, got {shapes}")
+
+    if loss_type in REFERENCE_FREE_LOSS_TYPES:
+        assert chosen_token_counts is not None and rejected_token_counts is not None
+        avg_chosen = _per_token(policy_chosen_logps, chosen_token_counts)
+        avg_rejected = _per_token(policy_rejected_logps, rejected_token_counts)
+        chosen_rewards = (beta * avg_chosen).detach()
+        rejected_rewards = (beta * avg_rejected).detach()
+        if loss_type == "simpo":
+            z = beta * (avg_chosen - avg_rejected) - simpo_gamma
+            losses = _smoothed_sigmoid_loss(z, label_smoothing)
+        else:
+            # log p can round to exactly 0 for a near-certain completion; log(1 - 1) would
+            # make the log-odds infinite, so keep avg strictly below 0.
+            eps = 1e-6
+            log_odds_chosen = avg_chosen - _log1mexp(avg_chosen.clamp(max=-eps))
+            log_odds_rejected = avg_rejected - _log1mexp(avg_rejected.clamp(max=-eps))
+            losses = -avg_chosen - orpo_lambda * F.logsigmoid(log_odds_chosen - log_odds_rejected)
+        return DPOLossOutput(losses, chosen_rewards, rejected_rewards)
+
+    assert ref_chosen_logps is not None and ref_rejected_logps is not None
+    if loss_type == "ipo":
+        assert chosen_token_counts is not None and rejected_token_counts is not None
+        policy_chosen_logps = _per_token(policy_chosen_logps, chosen_token_counts)
+        ref_chosen_logps = _per_token(ref_chosen_logps, chosen_token_counts)
+        policy_rejected_logps = _per_token(policy_rejected_logps, rejected_token_counts)
+        ref_rejected_logps = _per_token(ref_rejected_logps, rejected_token_counts)
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    h = chosen_logratios - rejected_logratios
+    z = beta * h
+    if loss_type == "sigmoid":
+        losses = _smoothed_sigmoid_loss(z, label_smoothing)
+    elif loss_type == "ipo":
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1.0 - z)
+    else:  # robust
+        eps = label_smoothing
+        losses = ((1 - eps) * -F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    return DPOLossOutput(
+        losses, (beta * chosen_logratios).detach(), (beta * rejected_logratios).detach()
+    )
+
+
+def _smoothed_sigmoid_loss(z: Tensor, label_smoothing: float) -> Tensor:
+    # The preference label is taken as wrong with probability label_smoothing (cDPO).
+    return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+# --------------------------------------------------------------------------------------------
+# Reward model
+# --------------------------------------------------------------------------------------------
+
+
+def reward_loss(
+    chosen_rewards: Tensor,
+    rejected_rewards: Tensor,
+    *,
+    margin: Tensor | None = None,
+    center_coef: float = 0.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Bradley-Terry pairwise loss for a scalar reward model.
+
+    loss = mean(−logσ(r+ − r− − margin)) + center_coef · mean((r+ + r−)²)
+
+    The second term (Eisenstein et al. 2023; TRL's `center_rewards_coefficient`) pulls
+    rewards towards zero mean, which the pairwise term alone leaves free.
+
+    Args:
+        chosen_rewards, rejected_rewards: one score per pair, same shape ([B] or [B, 1]).
+        margin: optional per-pair required margin (e.g. from preference strength), same shape.
+        center_coef: weight of the centring term; 0 disables it.
+
+    Returns:
+        (scalar loss, detached metrics: `accuracy` (fraction with r+ > r−, ties count as
+        wrong), `margin` (mean r+ − r−), `reward_mean` and `reward_std` (population std)
+        over all 2B rewards).
+    """
+    if chosen_rewards.shape != rejected_rewards.shape:
+        raise ValueError(
+            f"chosen and rejected rewards must share one shape, got "
+            f"{tuple(chosen_rewards.shape)} and {tuple(rejected_rewards.shape)}"
+        )
+    if margin is not None and margin.shape != chosen_rewards.shape:
+        raise ValueError(
+            f"margin must have the rewards' shape {tuple(chosen_rewards.shape)}, "
+            f"got {tuple(margin.shape)}"
+        )
+    if center_coef < 0:
+        raise ValueError(f"center_coef must be >= 0, got {center_coef}")
+    difference = chosen_rewards - rejected_rewards
+    shifted = difference if margin is None else difference - margin
+    loss = -F.logsigmoid(shifted).mean()
+    if center_coef:
+        loss = loss + center_coef * ((chosen_rewards + rejected_rewards) ** 2).mean()
+    with torch.no_grad():
+        all_rewards = torch.cat([chosen_rewards.flatten(), rejected_rewards.flatten()]).float()
+        metrics = {
+            "accuracy": (difference > 0).float().mean(),
+            "margin": difference.float().mean(),
+            "reward_mean": all_rewards.mean(),
+            "reward_std": all_rewards.std(correction=0),
+        }
+    return loss, metrics
+
+
+def last_token_index(attention_mask: Tensor) -> Tensor:
+    """Index of the last non-padding position of each row, for left or right padding.
+
+    Args:
+        attention_mask: [B, T], 1/True for real tokens.
+
+    Returns:
+        LongTensor [B]. Taking the highest attended position (not `mask.sum() - 1`) is what
+        makes left padding work: there the last token sits at T-1.
+
+    Raises:
+        ValueError: a row has no real token, so there is nothing to read a score from.
+    """
+    if attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask must be [batch, seq], got {tuple(attention_mask.shape)}")
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    index = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)
+    if bool((index < 0).any()):
+        raise ValueError(
+            f"attention_mask rows {(index < 0).nonzero().flatten().tolist()} are empty"
+        )
+    return index
