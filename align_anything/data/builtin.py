@@ -1,16 +1,181 @@
-"""Datasets the project generates and ships (no copied text); see `generate` below."""
+"""Datasets the project generates and ships (no copied text); see `generate` below.
+
+`python -m align_anything.data.builtin` rewrites the shipped files under `builtin/` from a fixed
+seed; a test checks the shipped files equal `generate()`'s output byte for byte.
+
+The preference data is built so that learning is visible and checkable:
+
+- Questions are small number questions the model can answer by looking at the prompt: "Which is
+  larger, 56 or 20?" and "What number comes after 41?".
+- `chosen` is always the terse, correct answer in one fixed format, `Answer: 56`.
+- `rejected` is one of two things (`kind` says which):
+  - `format`: the same correct number, but in the chatty style SmolLM2-135M-Instruct produces on
+    its own ("To determine which is larger, ... 56 is larger than 20.");
+  - `wrong`: the preferred format with a subtly wrong number (`Answer: 20`, the other number, or
+    an off-by-one successor).
+- `has_preferred_property(row, generated)` is the generation check: the greedy answer must be
+  exactly `Answer: <the right number>`. The untrained model never answers in that format, so a
+  rise in that share after training is learning, not prior behaviour.
+
+Held-out evaluation prompts (`arith-pref-eval`) never appear in the training file.
+"""
 
 from __future__ import annotations
 
+import json
+import random
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 
 # name -> file under BUILTIN_DIR. `data.path=<name>` selects one.
-BUILTIN_DATASETS: dict[str, str] = {}
+BUILTIN_DATASETS: dict[str, str] = {
+    "arith-pref": "arith_pref_train.jsonl",
+    "arith-pref-eval": "arith_pref_eval.jsonl",
+    "arith-sft": "arith_sft.jsonl",
+}
+
+SEED = 20250601
+PREF_TRAIN_ROWS = 256
+PREF_EVAL_ROWS = 64
+SFT_ROWS = 256
+# share of preference rows whose `rejected` is the right number in the wrong (chatty) format;
+# the rest reject a subtly wrong number in the right format.
+FORMAT_SHARE = 0.5
+
+ANSWER_RE = re.compile(r"Answer: (-?\d+)")
 
 
 def builtin_path(name: str) -> Path | None:
     """The shipped file for a built-in dataset name, or None when `name` is not built in."""
     filename = BUILTIN_DATASETS.get(name)
     return BUILTIN_DIR / filename if filename else None
+
+
+def preferred_answer(answer: int) -> str:
+    """The preferred completion for a question whose right answer is `answer`."""
+    return f"Answer: {answer}"
+
+
+def has_preferred_property(row: dict, generated: str) -> bool:
+    """True when `generated` (the decoded completion, special tokens removed) is exactly the
+    preferred answer for `row`: `Answer: <row["answer"]>`, nothing before or after it except
+    surrounding whitespace. A right number in another format, a wrong number, or extra words
+    all count as False."""
+    match = ANSWER_RE.fullmatch(generated.strip())
+    return match is not None and int(match.group(1)) == int(row["answer"])
+
+
+# --- question kinds -------------------------------------------------------------------------
+# Each kind draws one question from `rng` and returns (key, prompt, answer, wrong, chatty): `key`
+# identifies the question (for the train/eval split), `wrong` is a subtly wrong answer and
+# `chatty` the right answer in the model's own verbose style.
+
+
+def _larger(rng: random.Random) -> tuple[tuple, str, int, int, str]:
+    a, b = rng.sample(range(10, 100), 2)
+    big, small = max(a, b), min(a, b)
+    chatty = rng.choice(
+        [
+            f"To determine which is larger, we compare {a} and {b}. {big} is larger than {small}.",
+            f"The larger number is {big}, because {big} is greater than {small}.",
+            f"{big} is larger than {small}.",
+        ]
+    )
+    return ("larger", a, b), f"Which is larger, {a} or {b}?", big, small, chatty
+
+
+def _after(rng: random.Random) -> tuple[tuple, str, int, int, str]:
+    a = rng.randint(10, 998)
+    wrong = rng.choice([a, a + 2])
+    chatty = rng.choice(
+        [
+            f"To find the number that comes after {a}, we add 1 to it: {a} + 1 = {a + 1}.",
+            f"The number that comes after {a} is {a + 1}.",
+            f"{a} + 1 = {a + 1}.",
+        ]
+    )
+    return ("after", a), f"What number comes after {a}?", a + 1, wrong, chatty
+
+
+QUESTION_KINDS: dict[str, Callable[[random.Random], tuple[tuple, str, int, int, str]]] = {
+    "larger": _larger,
+    "after": _after,
+}
+
+
+def _unique_questions(rng: random.Random, count: int, seen: set) -> list[tuple]:
+    """`count` questions, none of whose keys is in `seen` (which this extends)."""
+    names = sorted(QUESTION_KINDS)
+    out: list[tuple] = []
+    while len(out) < count:
+        q = QUESTION_KINDS[names[len(out) % len(names)]](rng)
+        if q[0] in seen:
+            continue
+        seen.add(q[0])
+        out.append(q)
+    return out
+
+
+def _preference_rows(rng: random.Random, questions: list[tuple]) -> list[dict]:
+    rows = []
+    for index, (key, prompt, answer, wrong, chatty) in enumerate(questions):
+        # alternate the rejected kind per question kind so both kinds see both halves
+        reject_format = (index // len(QUESTION_KINDS)) % round(1 / FORMAT_SHARE) == 0
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": preferred_answer(answer),
+                "rejected": chatty if reject_format else preferred_answer(wrong),
+                "answer": answer,
+                "question": key[0],
+                "kind": "format" if reject_format else "wrong",
+            }
+        )
+    rng.shuffle(rows)
+    return rows
+
+
+def generate(seed: int = SEED) -> dict[str, list[dict]]:
+    """Every built-in dataset, as {name: rows}; deterministic for a given `seed`."""
+    rng = random.Random(seed)
+    seen: set = set()
+    # eval first, so the held-out questions do not depend on the training-set size
+    eval_questions = _unique_questions(rng, PREF_EVAL_ROWS, seen)
+    train_questions = _unique_questions(rng, PREF_TRAIN_ROWS, seen)
+    sft_questions = _unique_questions(rng, SFT_ROWS, seen)
+    return {
+        "arith-pref": _preference_rows(rng, train_questions),
+        "arith-pref-eval": _preference_rows(rng, eval_questions),
+        "arith-sft": [
+            {
+                "messages": [
+                    {"role": "user", "content": prompt},
+                    {"role": "assistant", "content": preferred_answer(answer)},
+                ]
+            }
+            for _, prompt, answer, _, _ in sft_questions
+        ],
+    }
+
+
+def to_jsonl(rows: list[dict]) -> str:
+    """The exact text of a shipped file: one JSON object per line, keys in insertion order."""
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def write_all(directory: Path = BUILTIN_DIR) -> dict[str, int]:
+    """Regenerate every built-in file under `directory`; returns {name: row count}."""
+    directory.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for name, rows in generate().items():
+        (directory / BUILTIN_DATASETS[name]).write_text(to_jsonl(rows), encoding="utf-8")
+        counts[name] = len(rows)
+    return counts
+
+
+if __name__ == "__main__":
+    for name, count in write_all().items():
+        print(f"{name}: {count} rows -> {builtin_path(name)}")

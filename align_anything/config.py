@@ -1,0 +1,362 @@
+"""The run configuration: Hydra composition, DeepSpeed preset loading, and one validation pass.
+
+Flow: CLI overrides -> Hydra compose (train.yaml + task/<task>.yaml) -> value overrides applied
+here -> preset JSON loaded (duplicate keys rejected) with `deepspeed.*` overrides -> pydantic
+`RunConfig` (extra="forbid"). Every problem found on the way is collected and reported in one
+`ConfigError`, with the full key path, the value given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from align_anything.errors import ConfigError, did_you_mean
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+PRESET_DIR = CONFIG_DIR / "deepspeed"
+TASK_DIR = CONFIG_DIR / "task"
+
+Auto = Literal["auto"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name_or_path: str = "smollm2-135m-instruct"
+    trust_remote_code: bool = False
+
+
+class DataConfig(_Section):
+    path: str = "arith-sft"
+    format: Literal["auto", "conversation", "prompt_response", "preference", "hh"] = "auto"
+    columns: dict[str, str] = Field(default_factory=dict)
+    max_length: int = Field(256, ge=8)
+    truncation: Literal["drop", "truncate_prompt", "truncate_completion"] = "drop"
+    eval_path: str | None = None
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    max_train_samples: int | None = Field(None, ge=1)
+    max_eval_samples: int | None = Field(None, ge=1)
+
+
+class TrainSection(_Section):
+    max_steps: int = Field(-1, ge=-1)
+    epochs: int = Field(1, ge=1)
+    per_device_batch_size: int | Auto = 4
+    gradient_accumulation_steps: int | Auto = 1
+    global_batch_size: int | Auto = "auto"
+    learning_rate: float = Field(1e-5, gt=0)
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0)
+    max_grad_norm: float = Field(1.0, ge=0.0)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    seed: int = 42
+    eval_every_steps: int = Field(0, ge=0)
+    log_every_steps: int = Field(1, ge=1)
+
+    @field_validator("per_device_batch_size", "gradient_accumulation_steps", "global_batch_size")
+    @classmethod
+    def _positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("must be a positive integer or 'auto'")
+        return value
+
+
+LoggingBackend = Literal["console", "jsonl", "wandb", "tensorboard"]
+
+
+class LoggingConfig(_Section):
+    backends: list[LoggingBackend] = Field(default_factory=lambda: ["console", "jsonl"])
+    project: str = "align-anything"
+    run_name: str | None = None
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(0, ge=0)
+    keep_last: int = Field(2, ge=1)
+    save_final: bool = True
+
+
+class SFTSection(_Section):
+    assistant_only_loss: bool = True
+
+
+DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"]
+
+
+class DPOSection(_Section):
+    beta: float = Field(0.1, gt=0)
+    loss_type: DPOLossType = "sigmoid"
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
+    simpo_gamma: float = 0.5
+    orpo_lambda: float = Field(0.1, ge=0.0)
+    # model: a frozen reference model beside the policy (ZeRO-3: a partitioned inference engine);
+    # precompute: one no-grad pass over the data before training, then the reference is freed.
+    reference: Literal["model", "precompute"] = "precompute"
+    reference_offload: bool = False
+    # Greedy generations on held-out prompts before and after training, checked for the
+    # preferred property where the dataset defines one (built-in datasets do).
+    generation_check_samples: int = Field(0, ge=0)
+    generation_max_new_tokens: int = Field(32, ge=1)
+
+
+class RMSection(_Section):
+    margin_column: str | None = None
+    center_coef: float = Field(0.0, ge=0.0)
+
+
+class RunConfig(_Section):
+    """The validated configuration of one run. Built only by `load_config`."""
+
+    task: str
+    deepspeed: dict[str, Any]
+    deepspeed_source: str
+    output_dir: str
+    resume: str | None = None
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainSection = Field(default_factory=TrainSection)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    # Dotted keys the user set on the command line; used to detect conflicts with the preset.
+    explicit_keys: frozenset[str] = frozenset()
+    # One section per task; only the selected task's section may be present.
+    sft: SFTSection | None = None
+    dpo: DPOSection | None = None
+    rm: RMSection | None = None
+
+    @model_validator(mode="after")
+    def _only_own_section(self) -> RunConfig:
+        for name in TASK_SECTIONS:
+            if name != self.task and getattr(self, name) is not None:
+                raise ValueError(
+                    f"section '{name}' is set but task is '{self.task}': remove the {name}.* "
+                    f"keys or choose task={name}"
+                )
+        return self
+
+    def section(self) -> BaseModel | dict[str, Any] | None:
+        """The task's own section (e.g. `cfg.dpo` for task=dpo)."""
+        return getattr(self, self.task)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved configuration as plain data, as saved beside checkpoints."""
+        data = self.model_dump(mode="json", exclude={"explicit_keys"})
+        return {k: v for k, v in data.items() if v is not None or k in ("resume",)}
+
+
+# Task name -> the schema of its own config section.
+TASK_SECTIONS: dict[str, type[BaseModel]] = {"sft": SFTSection, "dpo": DPOSection, "rm": RMSection}
+
+
+def available_tasks() -> list[str]:
+    """Task names that have a config file in configs/task/."""
+    return sorted(p.stem for p in TASK_DIR.glob("*.yaml"))
+
+
+def available_presets() -> list[str]:
+    """Preset names shipped in configs/deepspeed/ (ds_<name>_config.json)."""
+    return sorted(p.name[3 : -len("_config.json")] for p in PRESET_DIR.glob("ds_*_config.json"))
+
+
+def preset_path(name: str) -> Path:
+    """The shipped file of a preset name."""
+    return PRESET_DIR / f"ds_{name}_config.json"
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key '{key}'")
+        seen[key] = value
+    return seen
+
+
+def load_preset(spec: str) -> tuple[dict[str, Any], str]:
+    """Load a DeepSpeed preset by name (`z3`) or path (`my/ds.json`); returns (dict, source path).
+
+    JSON is parsed with a duplicate-key check: json.load silently keeps the last of two equal
+    keys, which hides copy-paste mistakes in hand-edited presets.
+    """
+    path = Path(spec).expanduser()
+    if spec in available_presets():
+        path = preset_path(spec)
+    elif not (spec.endswith(".json") or path.exists()):
+        raise ConfigError(
+            f"deepspeed={spec!r}: unknown preset{did_you_mean(spec, available_presets())}. "
+            f"Shipped presets: {', '.join(available_presets())}; or give a path to a JSON file."
+        )
+    if not path.is_file():
+        raise ConfigError(f"deepspeed={spec!r}: file {path} does not exist.")
+    try:
+        data = json.loads(path.read_text(), object_pairs_hook=_reject_duplicate_keys)
+    except (json.JSONDecodeError, ValueError) as err:
+        raise ConfigError(f"deepspeed preset {path}: invalid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"deepspeed preset {path}: expected a JSON object at the top level.")
+    return data, str(path)
+
+
+def _parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
+    """Parse `key=value` overrides with Hydra's grammar (typed values, lists, quoting)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    parsed: list[tuple[str, Any]] = []
+    problems: list[str] = []
+    for text in overrides:
+        try:
+            (override,) = parser.parse_overrides([text])
+        except HydraException as err:
+            problems.append(f"cannot parse override {text!r}: {err}")
+            continue
+        if override.is_delete() or override.is_sweep_override():
+            problems.append(f"override {text!r}: deletion and sweeps are not supported")
+            continue
+        key = override.get_key_element().lstrip("+")
+        parsed.append((key, override.value()))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return parsed
+
+
+def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
+    node = target
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[parts[-1]] = value
+
+
+def _to_plain(value: Any) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _format_validation_error(err: ValidationError, raw: dict[str, Any]) -> list[str]:
+    lines = []
+    for item in err.errors():
+        loc = [str(p) for p in item["loc"] if not str(p).startswith("function-after")]
+        # pydantic adds the union member name for `int | Literal["auto"]`; drop it.
+        loc = [p for p in loc if not p.startswith(("literal[", "int", "str", "float"))]
+        key = ".".join(loc)
+        if item["type"] == "extra_forbidden":
+            section, _, name = key.rpartition(".")
+            candidates = _known_keys(section)
+            prefix = f"{section}." if section else ""
+            hint = did_you_mean(name, candidates)
+            hint = hint.replace("'", f"'{prefix}", 1) if hint else ""
+            lines.append(f"{key}: unknown key{hint}")
+            continue
+        if not loc:
+            lines.append(item["msg"].removeprefix("Value error, "))
+            continue
+        given = _lookup(raw, loc)
+        lines.append(f"{key}: {item['msg']} (given: {given!r})")
+    return sorted(set(lines), key=lines.index)
+
+
+def _known_keys(section: str) -> list[str]:
+    model: type[BaseModel] | None = RunConfig
+    for part in section.split(".") if section else []:
+        field = model.model_fields.get(part) if model else None
+        annotation = field.annotation if field else None
+        model = _section_model(annotation, part)
+    if model is None:
+        return []
+    return [k for k in model.model_fields if k not in ("explicit_keys", "deepspeed_source")]
+
+
+def _section_model(annotation: Any, name: str) -> type[BaseModel] | None:
+    if name in TASK_SECTIONS:
+        return TASK_SECTIONS[name]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _lookup(raw: dict[str, Any], loc: list[str]) -> Any:
+    node: Any = raw
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def load_config(overrides: Sequence[str] = ()) -> RunConfig:
+    """Compose, override and validate the run configuration.
+
+    Raises one ConfigError listing every problem found.
+    """
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    parsed = _parse_overrides(overrides)
+    task = next((str(v) for k, v in parsed if k == "task"), "sft")
+    if task not in available_tasks():
+        raise ConfigError(
+            f"task={task!r}: unknown task{did_you_mean(task, available_tasks())}. "
+            f"Available tasks: {', '.join(available_tasks())}."
+        )
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        composed = compose(config_name="train", overrides=[f"task={task}"])
+    OmegaConf.set_struct(composed, False)
+
+    preset_overrides: list[tuple[str, Any]] = []
+    explicit: set[str] = set()
+    for key, value in parsed:
+        if key == "task":
+            continue
+        if key.startswith("deepspeed."):
+            preset_overrides.append((key.removeprefix("deepspeed."), _to_plain(value)))
+            continue
+        OmegaConf.update(composed, key, value, merge=False, force_add=True)
+        explicit.add(key)
+    raw: dict[str, Any] = OmegaConf.to_container(composed, resolve=True)  # type: ignore[assignment]
+
+    problems: list[str] = []
+    preset_spec = str(raw.get("deepspeed", "z0"))
+    try:
+        preset, source = load_preset(preset_spec)
+        for key, value in preset_overrides:
+            _set_dotted(preset, key, value)
+        raw["deepspeed"] = preset
+        raw["deepspeed_source"] = source
+    except ConfigError as err:
+        problems.append(str(err))
+        raw["deepspeed"] = {}
+        raw["deepspeed_source"] = preset_spec
+    raw["explicit_keys"] = frozenset(explicit)
+
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as err:
+        problems.extend(_format_validation_error(err, raw))
+        config = None
+    if problems or config is None:
+        count = len(problems)
+        header = f"{count} problem{'s' if count != 1 else ''} in the configuration:"
+        raise ConfigError("\n".join([header, *(f"  - {p}" for p in problems)]))
+    return config

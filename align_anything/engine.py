@@ -1,0 +1,716 @@
+"""The one owner of DeepSpeed and torch.distributed.
+
+Everything that touches the process group, ZeRO partitioning, the optimizer, checkpoints or
+weight gathering lives here, behind a small surface: `setup_distributed`, `resolve_ds_config`,
+`model_init_context`, `Engine` (train), `InferenceEngine` (frozen reference models), the
+collective helpers and `export_hf`. Trainers never import deepspeed or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import logging
+import math
+import os
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from align_anything.errors import ConfigError
+
+# DeepSpeed prints an INFO line for nearly everything; keep warnings and errors.
+os.environ.setdefault("DS_ACCELERATOR_LOG_LEVEL", "warning")
+logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+import deepspeed  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+
+logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+for _name in ("deepspeed", "torch.distributed"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+AUTO = "auto"
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_DIST: DistInfo | None = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
+    """Join (or create) the process group. Works under the deepspeed launcher, torchrun, and
+    plain `python -m`, where it creates a one-process group on loopback."""
+    global _DIST
+    if _DIST is not None:
+        return _DIST
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        )  # fmt: skip
+    accelerator = get_accelerator()
+    backend = accelerator.communication_backend_name()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accelerator.device_name() == "cuda":
+        accelerator.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device(accelerator.device_name())
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            auto_mpi_discovery=False,
+            verbose=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    _DIST = DistInfo(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        device=device,
+        backend=backend,
+    )
+    return _DIST
+
+
+def dist_info() -> DistInfo:
+    """The current process's rank, world size and device (after `setup_distributed`)."""
+    if _DIST is None:
+        raise RuntimeError("setup_distributed() has not been called")
+    return _DIST
+
+
+def teardown_distributed() -> None:
+    """Destroy the process group (end of run)."""
+    global _DIST
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _DIST = None
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (in place and returned); a no-op on one rank."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Send a picklable object from `src` to every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Collect one picklable object from every rank (in rank order)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --------------------------------------------------------------------------- precision
+
+
+def resolve_precision(requested: str, device_type: str) -> str:
+    """`auto` is bf16 where the GPU supports it, fp16 on older GPUs, fp32 on CPU (bf16 matmuls on
+    CPUs without bf16 units run hundreds of times slower than fp32)."""
+    if requested != AUTO:
+        return requested
+    if device_type == "cpu":
+        return "fp32"
+    return "bf16" if get_accelerator().is_bf16_supported() else "fp16"
+
+
+def torch_dtype(precision: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def device_type() -> str:
+    return get_accelerator().device_name()
+
+
+# --------------------------------------------------------------------------- preset resolution
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    global_batch: int
+
+    def describe(self) -> str:
+        return (
+            f"{self.global_batch} = micro {self.micro_batch} × grad_accum {self.grad_accum} "
+            f"× world {self.world_size}"
+        )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _solve_batch(
+    *,
+    preset: dict[str, Any],
+    world_size: int,
+    micro: int | str,
+    grad_accum: int | str,
+    global_batch: int | str,
+    explicit: frozenset[str],
+    conflicts: list[str],
+) -> BatchPlan:
+    """Any two of (micro, grad_accum, global) determine the third; three given must agree.
+
+    Precedence: a number in the preset or a value set on the command line (two such that
+    disagree are a conflict) > the task file's defaults, which only fill what is still open.
+    """
+    names = {
+        "micro": ("train_micro_batch_size_per_gpu", "train.per_device_batch_size", micro),
+        "accum": ("gradient_accumulation_steps", "train.gradient_accumulation_steps", grad_accum),
+        "global": ("train_batch_size", "train.global_batch_size", global_batch),
+    }
+    firm: dict[str, int] = {}
+    defaults: dict[str, int] = {}
+    for short, (ds_key, cfg_key, cfg_value) in names.items():
+        preset_value = preset.get(ds_key, AUTO)
+        if preset_value not in (AUTO, None) and not _is_number(preset_value):
+            conflicts.append(f"deepspeed.{ds_key}: expected a number or 'auto', got {preset_value!r}")
+            preset_value = AUTO
+        if _is_number(preset_value):
+            firm[short] = int(preset_value)
+            if cfg_key in explicit and cfg_value != AUTO and int(cfg_value) != int(preset_value):
+                conflicts.append(
+                    f"{cfg_key}={cfg_value} but the preset sets {ds_key}={preset_value}: "
+                    f"drop one, or set deepspeed.{ds_key}=auto"
+                )
+        elif cfg_value != AUTO:
+            (firm if cfg_key in explicit else defaults)[short] = int(cfg_value)
+    for short in ("micro", "accum"):
+        if len(firm) >= 2:
+            break
+        if short not in firm and short in defaults:
+            firm[short] = defaults[short]
+    micro_v, accum_v, global_v = firm.get("micro"), firm.get("accum"), firm.get("global")
+    if micro_v and accum_v and global_v:
+        if micro_v * accum_v * world_size != global_v:
+            raise ConfigError(
+                f"batch sizes do not add up: train_batch_size {global_v} != micro {micro_v} "
+                f"× grad_accum {accum_v} × world {world_size} (= {micro_v * accum_v * world_size}). "
+                "Set one of train.per_device_batch_size, train.gradient_accumulation_steps, "
+                "train.global_batch_size to auto."
+            )
+    elif micro_v and accum_v:
+        global_v = micro_v * accum_v * world_size
+    elif global_v and (micro_v or accum_v):
+        known = micro_v or accum_v
+        assert known is not None
+        if global_v % (known * world_size):
+            other = "grad_accum" if micro_v else "micro"
+            raise ConfigError(
+                f"batch sizes do not add up: train_batch_size {global_v} is not divisible by "
+                f"{'micro' if micro_v else 'grad_accum'} {known} × world {world_size}, so "
+                f"{other} cannot be a whole number."
+            )
+        derived = global_v // (known * world_size)
+        micro_v, accum_v = (micro_v, derived) if micro_v else (derived, accum_v)
+    else:
+        raise ConfigError(
+            "batch size is undetermined: set at least two of train.per_device_batch_size, "
+            "train.gradient_accumulation_steps, train.global_batch_size (or the preset's "
+            "train_micro_batch_size_per_gpu / gradient_accumulation_steps / train_batch_size)."
+        )
+    assert micro_v and accum_v and global_v
+    return BatchPlan(micro_v, accum_v, world_size, global_v)
+
+
+def _find_auto(node: Any, path: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _find_auto(v, f"{path}.{k}" if path else k)]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _find_auto(v, f"{path}[{i}]")]
+    return [path] if node == AUTO else []
+
+
+def resolve_ds_config(
+    preset: dict[str, Any],
+    *,
+    world_size: int,
+    hidden_size: int,
+    device: str,
+    precision: str,
+    micro_batch: int | str,
+    grad_accum: int | str,
+    global_batch: int | str,
+    max_grad_norm: float,
+    learning_rate: float,
+    adam_betas: tuple[float, float],
+    adam_eps: float,
+    weight_decay: float,
+    explicit: frozenset[str] = frozenset(),
+) -> tuple[dict[str, Any], BatchPlan, str]:
+    """Fill every "auto" in a preset exactly once; returns (resolved config, batch plan, precision).
+
+    Conflicts between values set on the command line and numbers in the preset are collected
+    and raised together. After resolution no "auto" is left (DeepSpeed silently ignores some).
+    """
+    config = copy.deepcopy(preset)
+    conflicts: list[str] = []
+    plan = _solve_batch(
+        preset=config,
+        world_size=world_size,
+        micro=micro_batch,
+        grad_accum=grad_accum,
+        global_batch=global_batch,
+        explicit=explicit,
+        conflicts=conflicts,
+    )
+    config["train_micro_batch_size_per_gpu"] = plan.micro_batch
+    config["gradient_accumulation_steps"] = plan.grad_accum
+    config["train_batch_size"] = plan.global_batch
+
+    clip = config.get("gradient_clipping", AUTO)
+    if clip == AUTO:
+        config["gradient_clipping"] = float(max_grad_norm)
+    elif "train.max_grad_norm" in explicit and float(clip) != float(max_grad_norm):
+        conflicts.append(
+            f"train.max_grad_norm={max_grad_norm} but the preset sets gradient_clipping={clip}"
+        )
+
+    # Precision: the preset's explicit enable flags win over `auto`; an explicit train.precision
+    # that disagrees with them is a conflict.
+    bf16_flag = config.get("bf16", {}).get("enabled", AUTO)
+    fp16_flag = config.get("fp16", {}).get("enabled", AUTO)
+    preset_precision = "bf16" if bf16_flag is True else "fp16" if fp16_flag is True else None
+    resolved = resolve_precision(precision, device)
+    if preset_precision:
+        if "train.precision" in explicit and precision not in (AUTO, preset_precision):
+            conflicts.append(
+                f"train.precision={precision} but the preset enables {preset_precision}"
+            )
+        resolved = preset_precision
+    elif precision == AUTO and (bf16_flag is False and resolved == "bf16"):
+        resolved = "fp16" if fp16_flag is not False else "fp32"
+    config.setdefault("bf16", {})["enabled"] = resolved == "bf16"
+    config.setdefault("fp16", {})["enabled"] = resolved == "fp16"
+
+    zero = config.setdefault("zero_optimization", {})
+    fills = {
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+        "allgather_bucket_size": hidden_size * hidden_size,
+    }
+    for key, value in fills.items():
+        if zero.get(key) == AUTO:
+            zero[key] = value
+
+    optimizer = config.get("optimizer")
+    if isinstance(optimizer, dict):
+        params = optimizer.setdefault("params", {})
+        for key, value in {
+            "lr": learning_rate,
+            "betas": list(adam_betas),
+            "eps": adam_eps,
+            "weight_decay": weight_decay,
+        }.items():
+            if params.get(key) == AUTO:
+                params[key] = value
+    scheduler = config.get("scheduler")
+    if isinstance(scheduler, dict):
+        conflicts.append(
+            "the preset has a 'scheduler' block: align_anything builds the schedule from "
+            "train.lr_scheduler / train.warmup_ratio; remove the block from the preset"
+        )
+    if conflicts:
+        raise ConfigError(
+            "the task config and the DeepSpeed preset disagree:\n"
+            + "\n".join(f"  - {c}" for c in conflicts)
+        )
+    left = _find_auto(config)
+    if left:
+        raise ConfigError(
+            f"the DeepSpeed preset has 'auto' values align_anything cannot fill: {', '.join(left)}. "
+            "Replace them with numbers."
+        )
+    return config, plan, resolved
+
+
+def zero_stage_of(config: dict[str, Any]) -> int:
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+def offloads_optimizer(config: dict[str, Any]) -> bool:
+    device = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return device not in (None, "none")
+
+
+def offloads_params(config: dict[str, Any]) -> bool:
+    device = config.get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+    return device not in (None, "none")
+
+
+# --------------------------------------------------------------------------- model construction
+
+# transformers reads a module-level weak reference to this object in `from_pretrained`; it must
+# stay alive while ZeRO-3 models are built, so the context keeps it here.
+_HF_DS_CONFIGS: list[Any] = []
+
+
+@contextlib.contextmanager
+def model_init_context(ds_config: dict[str, Any]) -> Iterator[None]:
+    """Build models inside this context. Under ZeRO-3 transformers then constructs the model
+    under `deepspeed.zero.Init`, so weights load straight into partitions (never whole on one
+    rank) and `from_pretrained` still applies the checkpoint's weights."""
+    if zero_stage_of(ds_config) != 3:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    holder = HfDeepSpeedConfig(ds_config)
+    _HF_DS_CONFIGS.append(holder)
+    try:
+        yield
+    finally:
+        # Keep the object alive: generation under ZeRO-3 checks it (synced_gpus).
+        pass
+
+
+# --------------------------------------------------------------------------- engines
+
+
+def _build_optimizer(
+    model: torch.nn.Module,
+    ds_config: dict[str, Any],
+    *,
+    learning_rate: float,
+    adam_betas: tuple[float, float],
+    adam_eps: float,
+    weight_decay: float,
+) -> torch.optim.Optimizer | None:
+    """DeepSpeed's CPU Adam when the optimizer is offloaded, fused Adam on CUDA, torch AdamW on
+    CPU. None when the preset has its own `optimizer` block (DeepSpeed builds it)."""
+    if "optimizer" in ds_config:
+        return None
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "norm" in name.lower() else decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    kwargs = dict(lr=learning_rate, betas=adam_betas, eps=adam_eps)
+    if offloads_optimizer(ds_config):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if get_accelerator().device_name() == "cuda":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_lambda(
+    schedule: str, *, total_steps: int, warmup_steps: int
+) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate after `step` optimizer steps."""
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+class Engine:
+    """A trainable model under DeepSpeed: forward, backward, step, checkpoints, export."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        ds_config: dict[str, Any],
+        *,
+        learning_rate: float,
+        adam_betas: tuple[float, float],
+        adam_eps: float,
+        weight_decay: float,
+        schedule: str,
+        total_steps: int,
+        warmup_steps: int,
+    ) -> None:
+        optimizer = _build_optimizer(
+            model,
+            ds_config,
+            learning_rate=learning_rate,
+            adam_betas=adam_betas,
+            adam_eps=adam_eps,
+            weight_decay=weight_decay,
+        )
+        factor = lr_lambda(schedule, total_steps=total_steps, warmup_steps=warmup_steps)
+
+        def scheduler_fn(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+            return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+        self.ds_config = ds_config
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            model_parameters=None if optimizer else [p for p in model.parameters() if p.requires_grad],
+            lr_scheduler=scheduler_fn,
+            config=ds_config,
+        )
+        self._grad_norm: float | None = None
+
+    # The wrapped module (for generation and config access).
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage DeepSpeed actually runs (not the one asked for)."""
+        return int(self.engine.zero_optimization_stage())
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        """Optimizer step at the accumulation boundary (DeepSpeed counts micro-steps)."""
+        if self.engine.is_gradient_accumulation_boundary():
+            self._grad_norm = self._measure_grad_norm()
+        self.engine.step()
+
+    def _measure_grad_norm(self) -> float | None:
+        # ZeRO optimizers record the global norm themselves (read after step); stage 0 without
+        # mixed precision does not, so measure the (already all-reduced) gradients here.
+        if self.zero_stage != 0:
+            return None
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer step (before clipping)."""
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            norm = self._grad_norm
+        if isinstance(norm, torch.Tensor):
+            norm = float(norm)
+        return norm
+
+    def learning_rate(self) -> float:
+        return float(self.engine.get_lr()[0])
+
+    def skipped_steps(self) -> int:
+        return int(getattr(self.engine, "skipped_steps", 0))
+
+    def save_checkpoint(self, directory: Path, client_state: dict[str, Any]) -> None:
+        """DeepSpeed checkpoint (model, optimizer, scheduler, partitioned on every rank)."""
+        self.engine.save_checkpoint(str(directory), tag="deepspeed", client_state=client_state)
+
+    def load_checkpoint(self, directory: Path) -> dict[str, Any]:
+        load_path, client_state = self.engine.load_checkpoint(
+            str(directory), tag="deepspeed", load_optimizer_states=True,
+            load_lr_scheduler_states=True,
+        )  # fmt: skip
+        if load_path is None:
+            raise ConfigError(f"no DeepSpeed checkpoint could be loaded from {directory}")
+        return client_state or {}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Gather full weights (rank 0 gets them, other ranks None). Every rank must call."""
+        return gather_state_dict(self.engine.module, self.zero_stage)
+
+
+def gather_state_dict(module: torch.nn.Module, stage: int) -> dict[str, torch.Tensor] | None:
+    """Full-precision copy of a module's weights on rank 0 (ZeRO-3 gathers one parameter at a
+    time so peak memory stays one layer above the partition). Collective: call on every rank."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if stage != 3:
+        if rank != 0:
+            return None
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            if rank == 0:
+                state[name] = param.detach().cpu().clone()
+    for name, buffer in module.named_buffers():
+        if rank == 0 and buffer is not None:
+            state[name] = buffer.detach().cpu().clone()
+    return state if rank == 0 else None
+
+
+@contextlib.contextmanager
+def gathered_parameters(module: torch.nn.Module, stage: int) -> Iterator[None]:
+    """Make all of a module's parameters whole on every rank for the duration (read-only);
+    for generation with small models under ZeRO-3. A no-op for other stages."""
+    if stage != 3:
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        yield
+
+
+class InferenceEngine:
+    """A frozen model (e.g. the DPO reference) without gradients or optimizer state.
+
+    Under ZeRO-3 it is a DeepSpeed stage-3 engine, so the reference is partitioned like the
+    policy; under stages 0-2 it is the plain module on the device (a full copy per rank but no
+    optimizer or gradients), optionally kept on CPU between uses.
+    """
+
+    def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, offload: bool) -> None:
+        model.eval()
+        model.requires_grad_(False)
+        self.stage = zero_stage_of(ds_config)
+        self._offload = offload
+        if self.stage == 3:
+            config = {
+                "train_micro_batch_size_per_gpu": ds_config["train_micro_batch_size_per_gpu"],
+                "train_batch_size": ds_config["train_batch_size"],
+                "gradient_accumulation_steps": ds_config["gradient_accumulation_steps"],
+                "bf16": {"enabled": ds_config.get("bf16", {}).get("enabled", False)},
+                "fp16": {"enabled": ds_config.get("fp16", {}).get("enabled", False)},
+                "zero_optimization": {
+                    "stage": 3,
+                    "stage3_param_persistence_threshold": ds_config["zero_optimization"].get(
+                        "stage3_param_persistence_threshold", 10_000
+                    ),
+                    "offload_param": {"device": "cpu" if offload else "none"},
+                },
+                "steps_per_print": 1_000_000,
+            }
+            self.engine, *_ = deepspeed.initialize(model=model, config=config)
+            self.module = self.engine.module
+        else:
+            precision = (
+                "bf16" if ds_config.get("bf16", {}).get("enabled")
+                else "fp16" if ds_config.get("fp16", {}).get("enabled") else "fp32"
+            )  # fmt: skip
+            self.device = dist_info().device
+            self.module = model.to(dtype=torch_dtype(precision))
+            self.module.to("cpu" if offload else self.device)
+            self.engine = None
+
+    @torch.no_grad()
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.engine is not None:
+            return self.engine(*args, **kwargs)
+        if self._offload:
+            self.module.to(self.device)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            if self._offload:
+                self.module.to("cpu")
+
+    def release(self) -> None:
+        """Free the model (after precomputing what was needed from it)."""
+        if self.engine is not None:
+            self.engine.destroy()
+        self.engine = None
+        self.module = None  # type: ignore[assignment]
+        get_accelerator().empty_cache()
+
+
+def memory_summary() -> str:
+    """Allocated/peak device memory, or the process RSS on CPU."""
+    acc = get_accelerator()
+    if acc.device_name() == "cuda":
+        return (
+            f"{acc.memory_allocated() / 2**30:.2f} GiB allocated, "
+            f"{acc.max_memory_allocated() / 2**30:.2f} GiB peak"
+        )
+    import resource
+
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return f"peak RSS {peak_kib / 2**20:.2f} GiB"
+
+
+def peak_memory_gib() -> float:
+    acc = get_accelerator()
+    if acc.device_name() == "cuda":
+        return acc.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def estimate_model_state_memory(num_params: int, stage: int, world_size: int, offload: bool) -> float:
+    """Per-device bytes of model states for mixed-precision Adam (ZeRO paper: 2+2+12 bytes per
+    parameter, partitioned by stage), in GiB. Offload moves optimizer states (and params) off."""
+    per_param = {0: 16.0, 1: 4 + 12 / world_size, 2: 2 + 14 / world_size, 3: 16 / world_size}[
+        min(stage, 3)
+    ]
+    if offload:
+        per_param = 2 / world_size if stage == 3 else 4.0
+    return num_params * per_param / 2**30

