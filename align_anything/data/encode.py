@@ -1,0 +1,255 @@
+"""Tokenise canonical records through the tokenizer's chat template.
+
+The prompt/completion boundary is found on the ids the model actually sees: the whole
+conversation is rendered and tokenised once, the prompt is tokenised with
+``add_generation_prompt=True``, and the prompt ids must be a prefix of the full ids. A row where
+they are not (a template that rewrites earlier turns, or a completion whose first characters merge
+with the generation prompt into one token) is dropped with a reason; the completion is never
+tokenised on its own. Everything after the prompt, template suffix tokens such as ``<|im_end|>``
+and the newline after it included, is completion.
+
+Truncation modes (``truncation=``), applied when prompt + completion exceed `max_length`:
+
+- ``drop`` (default): drop the row.
+- ``truncate_prompt``: keep the end of the prompt (left-truncate its ids) so the completion fits
+  whole; drop the row when the completion alone leaves no room for at least one prompt token.
+- ``truncate_completion``: cut the completion ids at the end; drop the row when the prompt alone
+  leaves no room for any completion token.
+
+For preference pairs the longer of chosen and rejected decides, and a pair that truncation makes
+identical is dropped. For multi-turn SFT the completion is the last assistant turn and the prompt
+everything before it (earlier assistant turns stay targets while they are kept).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from align_anything.data.formats import DataReport, RowRejected, as_messages
+from align_anything.errors import ConfigError, DataError, ModelError, did_you_mean
+
+TRUNCATION_MODES = ("drop", "truncate_prompt", "truncate_completion")
+IGNORE_INDEX = -100
+
+NOT_A_PREFIX = "chat template: prompt ids are not a prefix of the conversation ids"
+
+
+def _check_arguments(tokenizer: Any, max_length: int, truncation: str) -> None:
+    if truncation not in TRUNCATION_MODES:
+        raise ConfigError(
+            f"truncation={truncation!r} is not a truncation mode"
+            f"{did_you_mean(truncation, TRUNCATION_MODES)}; allowed: {', '.join(TRUNCATION_MODES)}"
+        )
+    if not isinstance(max_length, int) or max_length < 2:
+        raise ConfigError(f"max_length must be an integer of at least 2, got {max_length!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ModelError(
+            f"the tokenizer of '{name}' has no chat template, and prompts and completions are "
+            "encoded through one. Use a model that ships a chat template (an instruct/chat "
+            "checkpoint) or set one before encoding: tokenizer.chat_template = '<jinja template>'"
+        )
+
+
+def _template_ids(
+    tokenizer: Any, messages: list[dict], *, add_generation_prompt: bool = False
+) -> list[int]:
+    """Token ids of `messages` rendered by the chat template, as a plain list of ints."""
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:  # a template's raise_exception(), e.g. roles that do not alternate
+        raise RowRejected(f"chat template error: {str(exc)[:120]}") from exc
+    # transformers 5 returns a BatchEncoding (a mapping); 4.x returns the list itself.
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):  # a batch of one
+        out = out[0]
+    return [int(i) for i in out]
+
+
+def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
+    return len(prefix) <= len(ids) and ids[: len(prefix)] == prefix
+
+
+def _is_empty(messages: list[dict]) -> bool:
+    return not any(m["content"].strip() for m in messages)
+
+
+def _fit(prompt_len: int, completion_len: int, max_length: int, truncation: str) -> tuple[int, int]:
+    """How many prompt ids to cut from the left and how many completion ids to keep."""
+    if prompt_len + completion_len <= max_length:
+        return 0, completion_len
+    no_room = f"prompt leaves no room at max_length={max_length}"
+    if truncation == "drop":
+        if prompt_len >= max_length:
+            raise RowRejected(no_room)
+        raise RowRejected(f"prompt + completion longer than max_length={max_length}")
+    if truncation == "truncate_prompt":
+        if completion_len >= max_length:
+            raise RowRejected(
+                f"completion leaves no room for the prompt at max_length={max_length}"
+            )
+        return prompt_len + completion_len - max_length, completion_len
+    if prompt_len >= max_length:
+        raise RowRejected(no_room)
+    return 0, max_length - prompt_len
+
+
+def _encode_conversation(
+    record: Mapping[str, Any], tokenizer: Any, max_length: int, truncation: str
+) -> dict:
+    if "messages" not in record:
+        raise RowRejected("record without 'messages'")
+    messages = as_messages(record["messages"], "messages", "user")
+    targets = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if not targets:
+        raise RowRejected("no assistant turn")
+    if any(not messages[k]["content"].strip() for k in targets):
+        raise RowRejected("empty completion")
+    if targets[0] == 0:
+        raise RowRejected("conversation starts with an assistant turn")
+    messages = messages[: targets[-1] + 1]  # trailing user turns would only be masked
+
+    ids = _template_ids(tokenizer, messages)
+    labels = [IGNORE_INDEX] * len(ids)
+    start = 0
+    for k in targets:
+        # The turn spans from the end of the generation prompt before it to the end of the
+        # conversation rendered up to and including it; both must be prefixes of `ids`.
+        prompt_ids = _template_ids(tokenizer, messages[:k], add_generation_prompt=True)
+        end_ids = ids if k == len(messages) - 1 else _template_ids(tokenizer, messages[: k + 1])
+        if not (_is_prefix(prompt_ids, ids) and _is_prefix(end_ids, ids)):
+            raise RowRejected(NOT_A_PREFIX)
+        start = len(prompt_ids)
+        if start >= len(end_ids):
+            raise RowRejected("chat template renders no tokens for an assistant turn")
+        labels[start : len(end_ids)] = ids[start : len(end_ids)]
+
+    cut, keep = _fit(start, len(ids) - start, max_length, truncation)
+    ids, labels = ids[cut : start + keep], labels[cut : start + keep]
+    return {"input_ids": ids, "labels": labels}
+
+
+def _encode_pair(
+    record: Mapping[str, Any], tokenizer: Any, max_length: int, truncation: str
+) -> dict:
+    for key in ("prompt", "chosen", "rejected"):
+        if key not in record:
+            raise RowRejected(f"record without '{key}'")
+    prompt = as_messages(record["prompt"], "prompt", "user")
+    chosen = as_messages(record["chosen"], "chosen", "assistant")
+    rejected = as_messages(record["rejected"], "rejected", "assistant")
+    if _is_empty(prompt):
+        raise RowRejected("empty prompt")
+    if _is_empty(chosen) or _is_empty(rejected):
+        raise RowRejected("empty completion")
+    if chosen == rejected:
+        raise RowRejected("identical chosen and rejected")
+
+    prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
+    chosen_full = _template_ids(tokenizer, prompt + chosen)
+    rejected_full = _template_ids(tokenizer, prompt + rejected)
+    if not (_is_prefix(prompt_ids, chosen_full) and _is_prefix(prompt_ids, rejected_full)):
+        raise RowRejected(NOT_A_PREFIX)
+    chosen_ids = chosen_full[len(prompt_ids) :]
+    rejected_ids = rejected_full[len(prompt_ids) :]
+
+    longest = max(len(chosen_ids), len(rejected_ids))
+    cut, keep = _fit(len(prompt_ids), longest, max_length, truncation)
+    prompt_ids, chosen_ids, rejected_ids = prompt_ids[cut:], chosen_ids[:keep], rejected_ids[:keep]
+    if chosen_ids == rejected_ids:
+        raise RowRejected("chosen and rejected identical after truncation")
+    extras = {k: v for k, v in record.items() if k not in ("prompt", "chosen", "rejected")}
+    return {
+        **extras,
+        "prompt_ids": prompt_ids,
+        "chosen_ids": chosen_ids,
+        "rejected_ids": rejected_ids,
+    }
+
+
+def _check_shape(records: Sequence[Mapping[str, Any]], wanted: str) -> None:
+    """Fail once, clearly, when a whole dataset has the other record shape."""
+    if not records:
+        return
+    first = records[0]
+    if wanted == "sft" and "messages" not in first and "chosen" in first:
+        raise DataError(
+            "SFT encoding needs conversation records ('messages'), but these are preference "
+            "pairs (prompt/chosen/rejected). Use conversation or prompt_response data for SFT, "
+            "or a preference task (dpo, rm) for this data."
+        )
+    if wanted == "preference" and "chosen" not in first and "messages" in first:
+        raise DataError(
+            "preference encoding needs prompt/chosen/rejected records, but these are "
+            "conversations ('messages'). Use preference or hh data, or the sft task."
+        )
+
+
+def encode_sft(
+    records: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    max_length: int,
+    truncation: str = "drop",
+) -> tuple[list[dict], DataReport]:
+    """Encode conversation records to ``{"input_ids", "labels"}`` rows.
+
+    Every assistant turn is a target, from its first content token through the template's end
+    of turn (``<|im_end|>`` and the newline after it for ChatML); system and user turns and the
+    template tokens that open each assistant turn are -100 in `labels`. Other record keys pass
+    through. See the module docstring for `truncation`; dropped rows are counted in the report.
+    """
+    _check_arguments(tokenizer, max_length, truncation)
+    _check_shape(records, "sft")
+    report = DataReport(
+        source=f"encode_sft(max_length={max_length}, truncation={truncation!r})",
+        total=len(records),
+    )
+    rows = []
+    for index, record in enumerate(records):
+        try:
+            encoded = _encode_conversation(record, tokenizer, max_length, truncation)
+        except RowRejected as reason:
+            report.drop(str(reason), index)
+            continue
+        extras = {k: v for k, v in record.items() if k != "messages"}
+        rows.append({**extras, **encoded})
+    report.kept = len(rows)
+    return rows, report
+
+
+def encode_preference(
+    records: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    max_length: int,
+    truncation: str = "drop",
+) -> tuple[list[dict], DataReport]:
+    """Encode preference records to ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` rows.
+
+    The model sees ``prompt_ids + chosen_ids`` and ``prompt_ids + rejected_ids``; `prompt_ids`
+    ends with the template's generation prompt (``<|im_start|>assistant\\n`` for ChatML) and each
+    completion includes the template's end of turn. Extra keys such as ``margin`` pass through.
+    Rows with an empty completion, identical chosen and rejected, or that do not fit
+    `max_length` under `truncation` are dropped and counted in the report.
+    """
+    _check_arguments(tokenizer, max_length, truncation)
+    _check_shape(records, "preference")
+    report = DataReport(
+        source=f"encode_preference(max_length={max_length}, truncation={truncation!r})",
+        total=len(records),
+    )
+    rows = []
+    for index, record in enumerate(records):
+        try:
+            rows.append(_encode_pair(record, tokenizer, max_length, truncation))
+        except RowRejected as reason:
+            report.drop(str(reason), index)
+    report.kept = len(rows)
+    return rows, report

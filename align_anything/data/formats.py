@@ -1,0 +1,589 @@
+"""Load a dataset and map its rows to canonical records.
+
+Canonical records (what every later stage consumes):
+
+- conversation / prompt_response -> ``{"messages": [{"role": ..., "content": str}, ...]}`` with
+  roles ``system``, ``user``, ``assistant``.
+- preference / hh -> ``{"prompt": [messages up to and including the last user turn],
+  "chosen": [assistant message(s)], "rejected": [assistant message(s)]}``.
+
+Columns a format does not consume (``margin`` for reward models, ids, scores, media) pass through
+unchanged. Rows that cannot be turned into a record are dropped and counted in a `DataReport`,
+never silently trained on; problems with the file itself raise `DataError` before any work.
+"""
+
+from __future__ import annotations
+
+import difflib
+import random
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from align_anything.data.builtin import builtin_path
+from align_anything.errors import ConfigError, DataError, did_you_mean
+
+FORMATS = ("auto", "conversation", "prompt_response", "preference", "hh")
+ROLES = ("system", "user", "assistant")
+
+# Names `columns` may map; "completion" is accepted as another name for "response".
+CANONICAL_COLUMNS = (
+    "messages",
+    "prompt",
+    "response",
+    "completion",
+    "chosen",
+    "rejected",
+    "system",
+    "margin",
+)
+
+# File suffix -> `datasets` builder. Compressed JSON is decompressed by `datasets` itself.
+DATA_SUFFIXES = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".jsonl.gz": "json",
+    ".json.gz": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+}
+
+MAX_EXAMPLE_ROWS = 5
+
+HH_ASSISTANT = "\n\nAssistant:"
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+_HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+@dataclass
+class DataReport:
+    """What a stage kept and dropped, and why.
+
+    Row numbers count from 0: for `load_records` they are positions in the source (a JSONL row
+    number is its line number minus one); for the encoders, positions in the records passed in.
+    """
+
+    source: str
+    total: int = 0
+    kept: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    first_rows: dict[str, list[int]] = field(default_factory=dict)
+    format: str = ""
+
+    def drop(self, reason: str, row: int) -> None:
+        """Count one dropped row under `reason`, remembering the first few row numbers."""
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        rows = self.first_rows.setdefault(reason, [])
+        if len(rows) < MAX_EXAMPLE_ROWS:
+            rows.append(row)
+
+    def summary(self) -> str:
+        """One line of totals, then one line per drop reason with example row numbers."""
+        fmt = f" as {self.format}" if self.format else ""
+        n_dropped = sum(self.dropped.values())
+        head = f"{self.source}{fmt}: kept {self.kept} of {self.total} rows"
+        if not n_dropped:
+            return head
+        lines = [f"{head}, dropped {n_dropped} (row numbers count from 0):"]
+        for reason, count in sorted(self.dropped.items(), key=lambda item: -item[1]):
+            rows = self.first_rows.get(reason, [])
+            more = ", ..." if count > len(rows) else ""
+            lines.append(f"  {count:>7}  {reason} (rows {', '.join(map(str, rows))}{more})")
+        return "\n".join(lines)
+
+
+class RowRejected(Exception):
+    """Raised while converting one row; the message is the drop reason counted in the report."""
+
+
+# --------------------------------------------------------------------------- loading files
+
+
+def _builder_for(path: Path) -> str | None:
+    name = path.name.lower()
+    for suffix, builder in DATA_SUFFIXES.items():
+        if name.endswith(suffix):
+            return builder
+    return None
+
+
+def _looks_local(path: str) -> bool:
+    """A path the user meant as a file or folder, as opposed to a hub name like `org/name`."""
+    return (
+        path.startswith(("/", "./", "../", "~", "."))
+        or _builder_for(Path(path)) is not None
+        or "\\" in path
+    )
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def _is_no_rows_error(exc: BaseException) -> bool:
+    # What `datasets` raises for a file that holds no rows (blank lines, a CSV header only,
+    # an empty .gz): StopIteration, or "Instruction 'train' corresponds to no data!".
+    root = _root_cause(exc)
+    return isinstance(root, StopIteration) or "corresponds to no data" in str(root)
+
+
+def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what: str):
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(builder, data_files=data_files, split=split)
+    except Exception as exc:
+        if _is_no_rows_error(exc):
+            raise DataError(f"{what} is empty: it holds no data rows") from exc
+        root = _root_cause(exc)
+        detail = str(root) or type(root).__name__
+        raise DataError(
+            f"{what} cannot be read as {builder.upper()}: {type(root).__name__}: {detail}"
+        ) from exc
+    if len(dataset) == 0:
+        raise DataError(f"{what} is empty: it holds no data rows")
+    return dataset
+
+
+def _split_base(split: str) -> str:
+    # "train[:1000]" -> "train": a single file serves whichever split is asked for.
+    return re.split(r"[\[+]", split, maxsplit=1)[0] or "train"
+
+
+def _load_file(path: Path, split: str):
+    builder = _builder_for(path)
+    if builder is None:
+        raise DataError(
+            f"data file {path} has an unsupported type; use one of {', '.join(DATA_SUFFIXES)}"
+        )
+    if path.stat().st_size == 0:
+        raise DataError(f"data file {path} is empty (0 bytes)")
+    return _read_files(builder, {_split_base(split): [str(path)]}, split, f"data file {path}")
+
+
+def _load_directory(path: Path, split: str):
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    # `datasets`' own convention assigns files to splits by name (train*, test*, eval*, ...);
+    # everything else is "train". Only files of the supported types are considered.
+    try:
+        resolved = DataFilesDict.from_patterns(
+            get_data_patterns(str(path)),
+            base_path=str(path),
+            allowed_extensions=list(DATA_SUFFIXES),
+        )
+        files_by_split = {
+            str(name): sorted(str(f) for f in files) for name, files in resolved.items()
+        }
+    except Exception:  # `datasets` raises when no file matches at all
+        files_by_split = {}
+    files_by_split = {
+        name: [f for f in files if _builder_for(Path(f)) and "/." not in f[len(str(path)) :]]
+        for name, files in files_by_split.items()
+    }
+    files_by_split = {name: files for name, files in files_by_split.items() if files}
+    if not files_by_split:
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise DataError(
+            f"data directory {path} holds no data files ({', '.join(DATA_SUFFIXES)}); "
+            f"found: {', '.join(found) or 'nothing'}"
+        )
+    base = _split_base(split)
+    if base not in files_by_split:
+        raise DataError(
+            f"data directory {path} has no files for split '{base}'"
+            f"{did_you_mean(base, files_by_split)}; splits found: {', '.join(files_by_split)}"
+        )
+    files = files_by_split[base]
+    builders = {_builder_for(Path(f)) for f in files}
+    if len(builders) > 1:
+        raise DataError(
+            f"data directory {path} mixes file types in split '{base}' ({', '.join(files)}); "
+            "keep one type per directory or point data.path at one file"
+        )
+    for f in files:
+        if Path(f).stat().st_size == 0:
+            raise DataError(f"data file {f} is empty (0 bytes)")
+    return _read_files(builders.pop(), {base: files}, split, f"data directory {path}")
+
+
+def _load_hub(name: str, split: str):
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except Exception as exc:
+        root = _root_cause(exc)
+        raise DataError(
+            f"data path '{name}' does not exist locally and is not reachable as a hub dataset "
+            f"({type(root).__name__}: {root}). Give a local .jsonl/.json/.parquet/.csv file or "
+            "folder, a built-in dataset name, or a hub name with network access."
+        ) from exc
+
+
+def _load_dataset(path: str, split: str):
+    """Return (datasets.Dataset, a description of where it came from)."""
+    builtin = builtin_path(path)
+    if builtin is not None:
+        if not builtin.is_file():
+            raise DataError(
+                f"built-in dataset '{path}' should be at {builtin} but the file is missing; "
+                "reinstall align_anything"
+            )
+        return _load_file(builtin, split), f"{path} (built-in)"
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return _load_directory(local, split), str(local)
+    if local.is_file():
+        return _load_file(local, split), str(local)
+    if _looks_local(path):
+        parent = local.parent if local.parent.is_dir() else None
+        hint = did_you_mean(local.name, [p.name for p in parent.iterdir()]) if parent else ""
+        where = "" if parent else f" (directory {local.parent} does not exist either)"
+        raise DataError(f"data file {local} does not exist{hint}{where}")
+    return _load_hub(path, split), path
+
+
+# --------------------------------------------------------------------------- column mapping
+
+
+def _check_columns_argument(columns: Mapping[str, str] | None) -> dict[str, str]:
+    if not columns:
+        return {}
+    unknown = [name for name in columns if name not in CANONICAL_COLUMNS]
+    if unknown:
+        problems = "; ".join(
+            f"data.columns.{name}{did_you_mean(name, CANONICAL_COLUMNS)}" for name in unknown
+        )
+        raise ConfigError(
+            f"unknown canonical column name(s): {problems}. Allowed: {', '.join(CANONICAL_COLUMNS)}"
+        )
+    if "response" in columns and "completion" in columns:
+        raise ConfigError(
+            "data.columns.response and data.columns.completion name the same thing; set one"
+        )
+    return {
+        ("response" if name == "completion" else name): str(col) for name, col in columns.items()
+    }
+
+
+def _closest(word: str, candidates: Sequence[str]) -> str | None:
+    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _missing_column_error(
+    name: str, source: str, found: Sequence[str], fmt: str, mapped_from: str | None = None
+) -> DataError:
+    """The error for a column the format needs and the file lacks, with the mapping that fixes it."""
+    listed = ", ".join(f"'{c}'" for c in found)
+    if mapped_from is not None:
+        missing = f"column '{mapped_from}' (set by data.columns.{name})"
+        guess = _closest(mapped_from, found)
+        hint = did_you_mean(mapped_from, found)
+    else:
+        missing = f"column '{name}'"
+        guess = _closest(name, found)
+        hint = did_you_mean(name, found)
+    fix = (
+        f"data.columns.{name}={guess}"
+        if guess
+        else f"data.columns.{name}=<one of the columns found>"
+    )
+    return DataError(
+        f"missing {missing} in {source}, needed by format '{fmt}'{hint}; "
+        f"columns found: {listed}. Fix: {fix}"
+    )
+
+
+def _detect_format(names: set[str], first_row: Mapping[str, Any], source: str, found) -> str:
+    """Pick a format from the (mapped) column names; preference wins over `messages` because
+    preference files often carry a `messages` copy of the chosen conversation."""
+    if {"prompt", "chosen", "rejected"} <= names:
+        return "preference"
+    if {"chosen", "rejected"} <= names:
+        chosen = first_row.get("chosen")
+        if isinstance(chosen, str) and _looks_hh(chosen):
+            return "hh"
+        if isinstance(chosen, list):
+            return "preference"  # message lists; the prompt is their shared beginning
+        raise _missing_column_error("prompt", source, found, "preference")
+    if "messages" in names:
+        return "conversation"
+    if "prompt" in names and "response" in names:
+        return "prompt_response"
+    listed = ", ".join(f"'{c}'" for c in found)
+    raise DataError(
+        f"cannot tell the format of {source} from its columns ({listed}). Formats and the "
+        "columns they need: conversation: messages; prompt_response: prompt + response "
+        "(or completion); preference: prompt + chosen + rejected; hh: chosen + rejected "
+        "holding '\\n\\nHuman: ... \\n\\nAssistant: ...' transcripts. Set data.format=<format> "
+        "and map your columns, e.g. data.columns.prompt=<column>"
+    )
+
+
+def _looks_hh(text: str) -> bool:
+    return HH_ASSISTANT in text and ("\n\nHuman:" in text or text.startswith("Human:"))
+
+
+def _required_columns(fmt: str, names: set[str], first_row: Mapping[str, Any]) -> list[str]:
+    if fmt == "conversation":
+        return ["messages"]
+    if fmt == "prompt_response":
+        return ["prompt", "response"]
+    if fmt == "hh":
+        return ["chosen", "rejected"]
+    # preference: a prompt column is optional only when chosen/rejected are message lists.
+    if "prompt" not in names and isinstance(first_row.get("chosen"), list):
+        return ["chosen", "rejected"]
+    return ["prompt", "chosen", "rejected"]
+
+
+# --------------------------------------------------------------------------- row conversion
+
+
+def as_messages(value: Any, column: str, default_role: str) -> list[dict[str, str]]:
+    """A string becomes one `default_role` message; a message list is checked and normalised to
+    `{"role", "content"}` dicts (keys an Arrow schema adds as None are dropped)."""
+    if value is None:
+        raise RowRejected(f"missing value in column '{column}'")
+    if isinstance(value, str):
+        return [{"role": default_role, "content": value}]
+    if not isinstance(value, (list, tuple)):
+        raise RowRejected(f"column '{column}' is neither text nor a message list")
+    messages = []
+    for message in value:
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise RowRejected(f"column '{column}' holds an item that is not a message")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise RowRejected(f"unknown role {role!r} in column '{column}'")
+        if not isinstance(content, str):
+            raise RowRejected(f"message content that is not text in column '{column}'")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+def _with_system(messages: list[dict], system: Any) -> list[dict]:
+    if (
+        isinstance(system, str)
+        and system.strip()
+        and (not messages or messages[0]["role"] != "system")
+    ):
+        return [{"role": "system", "content": system}, *messages]
+    return messages
+
+
+def _only_assistant(messages: list[dict], column: str) -> list[dict]:
+    if any(m["role"] != "assistant" for m in messages):
+        raise RowRejected(f"column '{column}' holds non-assistant turns after the prompt")
+    return messages
+
+
+def _strip_prompt_copy(prompt: list[dict], completion: list[dict]) -> list[dict]:
+    # Files like UltraFeedback store chosen/rejected as the whole conversation.
+    if len(completion) > len(prompt) and completion[: len(prompt)] == prompt:
+        return completion[len(prompt) :]
+    return completion
+
+
+def _ends_with_user(prompt: list[dict]) -> None:
+    if not prompt or prompt[-1]["role"] != "user":
+        raise RowRejected("prompt does not end with a user turn")
+
+
+def _conversation_row(row: Mapping[str, Any]) -> dict:
+    if isinstance(row["messages"], str):
+        raise RowRejected("column 'messages' is text, not a message list")
+    messages = as_messages(row["messages"], "messages", "user")
+    if not messages:
+        raise RowRejected("empty conversation")
+    return {"messages": _with_system(messages, row.get("system"))}
+
+
+def _prompt_response_row(row: Mapping[str, Any]) -> dict:
+    prompt = as_messages(row["prompt"], "prompt", "user")
+    response = _only_assistant(
+        _strip_prompt_copy(prompt, as_messages(row["response"], "response", "assistant")),
+        "response",
+    )
+    _ends_with_user(prompt)
+    return {"messages": _with_system(prompt + response, row.get("system"))}
+
+
+def _preference_row(row: Mapping[str, Any]) -> dict:
+    chosen = as_messages(row["chosen"], "chosen", "assistant")
+    rejected = as_messages(row["rejected"], "rejected", "assistant")
+    if "prompt" in row:
+        prompt = as_messages(row["prompt"], "prompt", "user")
+        chosen = _strip_prompt_copy(prompt, chosen)
+        rejected = _strip_prompt_copy(prompt, rejected)
+    else:
+        # Implicit prompt: the shared beginning of both conversations, up to its last user turn.
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        users = [k for k in range(shared) if chosen[k]["role"] == "user"]
+        if not users:
+            raise RowRejected("chosen and rejected share no prompt ending in a user turn")
+        prompt, chosen, rejected = (
+            chosen[: users[-1] + 1],
+            chosen[users[-1] + 1 :],
+            rejected[users[-1] + 1 :],
+        )
+    _ends_with_user(prompt)
+    return {
+        "prompt": _with_system(prompt, row.get("system")),
+        "chosen": _only_assistant(chosen, "chosen"),
+        "rejected": _only_assistant(rejected, "rejected"),
+    }
+
+
+def parse_hh(transcript: str) -> tuple[list[dict], str]:
+    """Split an HH-RLHF transcript at its last "\\n\\nAssistant:" into (prompt messages, completion).
+
+    The prompt becomes alternating user/assistant messages; consecutive turns of the same
+    speaker (a few HH rows have two Assistant turns in a row) are joined with a blank line.
+    Texts are stripped of the space after each "Human:"/"Assistant:" marker.
+    """
+    if HH_ASSISTANT not in transcript:
+        raise RowRejected("transcript without an '\\n\\nAssistant:' turn")
+    head, completion = transcript.rsplit(HH_ASSISTANT, 1)
+    if head.startswith("Human:"):
+        head = "\n\n" + head
+    parts = _HH_TURN.split(head)
+    if parts[0].strip():
+        raise RowRejected("transcript does not start with a Human turn")
+    prompt: list[dict] = []
+    for speaker, text in zip(parts[1::2], parts[2::2], strict=True):
+        role, text = _HH_ROLES[speaker], text.strip()
+        if prompt and prompt[-1]["role"] == role:
+            prompt[-1]["content"] = f"{prompt[-1]['content']}\n\n{text}"
+        else:
+            prompt.append({"role": role, "content": text})
+    return prompt, completion.strip()
+
+
+def _hh_row(row: Mapping[str, Any]) -> dict:
+    for column in ("chosen", "rejected"):
+        if not isinstance(row[column], str):
+            raise RowRejected(f"column '{column}' is not an HH transcript string")
+    prompt, chosen = parse_hh(row["chosen"])
+    rejected_prompt, rejected = parse_hh(row["rejected"])
+    # A mismatch usually means one side continues the dialogue past the shared prompt.
+    if prompt != rejected_prompt:
+        raise RowRejected("chosen and rejected transcripts have different prompts")
+    if not prompt or prompt[-1]["role"] != "user":
+        raise RowRejected("transcript prompt does not end with a Human turn")
+    return {
+        "prompt": prompt,
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+_CONVERTERS = {
+    "conversation": (_conversation_row, {"messages", "system"}),
+    "prompt_response": (_prompt_response_row, {"prompt", "response", "system"}),
+    "preference": (_preference_row, {"prompt", "chosen", "rejected", "system"}),
+    "hh": (_hh_row, {"chosen", "rejected"}),
+}
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def load_records(
+    path: str,
+    *,
+    format: str = "auto",
+    columns: Mapping[str, str] | None = None,
+    split: str = "train",
+) -> tuple[list[dict], DataReport]:
+    """Load `path` and return its rows as canonical records plus a report of dropped rows.
+
+    `path` is a local file (.json, .jsonl, .json(l).gz, .parquet, .csv), a local folder of such
+    files (split by file name the way `datasets` does: train*, test*/eval*, ...), a built-in
+    dataset name, or a hub dataset name. A single file serves as whichever `split` is asked for;
+    slices such as ``train[:100]`` work everywhere.
+
+    `format` is one of ``auto``, ``conversation``, ``prompt_response``, ``preference``, ``hh``.
+    ``auto`` picks, in order: prompt+chosen+rejected -> preference; chosen+rejected holding HH
+    transcripts -> hh (holding message lists -> preference with their shared beginning as the
+    prompt); messages -> conversation; prompt+response (or completion) -> prompt_response.
+
+    `columns` maps canonical names to the file's names, e.g. ``{"prompt": "question"}``.
+    Columns the format does not use pass through unchanged. Raises `DataError` for a file that is
+    missing, empty or unreadable and for a missing column; rows that cannot be converted are
+    dropped and counted in the report.
+    """
+    if format not in FORMATS:
+        raise ConfigError(
+            f"data.format={format!r} is not a format{did_you_mean(format, FORMATS)}; "
+            f"allowed: {', '.join(FORMATS)}"
+        )
+    mapping = _check_columns_argument(columns)
+    dataset, source = _load_dataset(path, split)
+    found = list(dataset.column_names)
+
+    for name, column in mapping.items():
+        if column not in found:
+            raise _missing_column_error(name, source, found, format, mapped_from=column)
+    mapped_sources = set(mapping.values())
+    # canonical name -> file column; a mapped name hides a file column of the same name.
+    renames = dict(mapping)
+    for column in found:
+        if column in mapped_sources:
+            continue
+        name = column
+        if column == "completion" and "response" not in found and "response" not in renames:
+            name = "response"
+        if name not in renames:
+            renames[name] = column
+    names = set(renames)
+
+    first_row = {name: dataset[0][column] for name, column in renames.items()}
+    fmt = format if format != "auto" else _detect_format(names, first_row, source, found)
+    for name in _required_columns(fmt, names, first_row):
+        if name not in names:
+            raise _missing_column_error(name, source, found, fmt)
+
+    convert, consumed = _CONVERTERS[fmt]
+    report = DataReport(source=source, total=len(dataset), format=fmt)
+    records = []
+    for index, raw in enumerate(dataset):
+        row = {name: raw[column] for name, column in renames.items()}
+        try:
+            record = convert(row)
+        except RowRejected as reason:
+            report.drop(str(reason), index)
+            continue
+        record.update({name: value for name, value in row.items() if name not in consumed})
+        records.append(record)
+    report.kept = len(records)
+    return records, report
+
+
+def split_records(
+    records: Sequence[Any], *, eval_fraction: float, seed: int
+) -> tuple[list[Any], list[Any]]:
+    """Hold out `eval_fraction` of `records` (at least one when the fraction is positive and
+    there are two or more records), chosen by `seed`. Returns (train, eval), each in the
+    original order; the same records and seed always give the same split."""
+    if not 0 <= eval_fraction < 1:
+        raise ConfigError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    n = len(records)
+    n_eval = round(n * eval_fraction)
+    if eval_fraction > 0 and n_eval == 0:
+        n_eval = 1
+    n_eval = min(n_eval, max(n - 1, 0))
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    held_out = set(order[:n_eval])
+    train = [r for i, r in enumerate(records) if i not in held_out]
+    evaluation = [r for i, r in enumerate(records) if i in held_out]
+    return train, evaluation
