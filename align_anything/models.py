@@ -204,6 +204,25 @@ def load_causal_lm(name_or_path: str, *, dtype: Any, trust_remote_code: bool = F
         raise _not_found(name_or_path, err) from None
 
 
+def load_sequence_classifier(name_or_path: str, *, dtype: Any, trust_remote_code: bool = False) -> Any:
+    """A causal LM checkpoint with a one-output score head (new head, randomly initialised when
+    the checkpoint has none), for reward models."""
+    from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_model_path(name_or_path)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialized: score.weight" notice is expected
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        raise _not_found(name_or_path, err) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def count_parameters(model: Any) -> tuple[int, int]:
     """(trainable, frozen) parameter counts; ZeRO-3 partitioned parameters report `ds_numel`."""
     trainable = frozen = 0

@@ -1,0 +1,134 @@
+"""Metrics sinks (JSONL always; console, TensorBoard, wandb when asked) and the progress display.
+
+Only rank 0 constructs these. The progress display is a tqdm bar on a terminal and plain lines
+otherwise, so CI logs stay readable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    """Writes one JSON object per logged step to `output_dir/metrics.jsonl` and forwards the same
+    numbers to TensorBoard / wandb when those backends are selected."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        backends: Sequence[str],
+        project: str,
+        run_name: str | None,
+        config: dict[str, Any],
+        resume: bool,
+    ) -> None:
+        self.path = output_dir / "metrics.jsonl"
+        self._file = self.path.open("a" if resume else "w", encoding="utf-8")
+        self._tb = None
+        self._wandb = None
+        self.notes: list[str] = []
+        if "tensorboard" in backends:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+            self.notes.append(f"tensorboard: {output_dir / 'tensorboard'}")
+        if "wandb" in backends:
+            import wandb
+
+            mode = None
+            if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") is None:
+                mode = "offline"
+                self.notes.append("wandb: no API key configured, logging offline")
+            self._wandb = wandb.init(
+                project=project, name=run_name, config=config, dir=str(output_dir), mode=mode
+            )
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self._tb is not None:
+            for key, value in numeric.items():
+                self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+class Progress:
+    """Step progress with loss, tokens/s and ETA: a tqdm bar on a terminal, plain lines
+    otherwise (one per logged step)."""
+
+    def __init__(self, total: int, *, initial: int = 0, enabled: bool = True) -> None:
+        self.total = total
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.initial = initial
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+
+    def update(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        parts = {"loss": f"{metrics['loss']:.4f}"} if "loss" in metrics else {}
+        if "tokens_per_second" in metrics:
+            parts["tok/s"] = f"{metrics['tokens_per_second']:.0f}"
+        if self._bar is not None:
+            self._bar.set_postfix(parts, refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        done = step - self.initial
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.total - step) if done else 0.0
+        fields = " ".join(f"{k} {v}" for k, v in parts.items())
+        print(
+            f"step {step}/{self.total} {fields} elapsed {_format_duration(elapsed)} "
+            f"eta {_format_duration(eta)}",
+            flush=True,
+        )
+
+    def write(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,586 @@
+"""What every trainer shares: set-up order, the step loop, evaluation, checkpoints and export.
+
+A trainer subclass adds only its data encoding and its batch -> loss function
+(`encode`, `collate`, `compute_loss`, optionally `evaluate_extra` and `count_items`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from align_anything import engine as eng
+from align_anything import models
+from align_anything.config import RunConfig
+from align_anything.data import DataReport, load_records, split_records
+from align_anything.errors import ConfigError, UserError
+from align_anything.tracking import MetricsLogger, Progress
+
+CHECKPOINT_PREFIX = "step-"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def step_indices(num_rows: int, *, global_batch: int, seed: int, epoch: int, step: int) -> list[int]:
+    """Row indices of one optimizer step's global batch: a seeded permutation per epoch cut
+    into consecutive global batches. Depends only on (seed, epoch, step), so the same rows form
+    each step whatever the world size or micro-batch split, and resume needs only the step."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(num_rows, generator=generator)
+    return order[step * global_batch : (step + 1) * global_batch].tolist()
+
+
+def rank_micro_batches(indices: list[int], *, micro: int, accum: int, world: int, rank: int) -> list[list[int]]:
+    """This rank's micro-batches of a global batch: micro-batch m of rank r takes the slice
+    (m·world + r)·micro … +micro."""
+    return [
+        indices[(m * world + rank) * micro : (m * world + rank + 1) * micro] for m in range(accum)
+    ]
+
+
+class Trainer:
+    """Lifecycle: `setup()` → `train()` (evaluates before and after) → `save()` → `cleanup()`."""
+
+    task: ClassVar[str]
+    # Data format the task consumes: "conversation" or "preference".
+    record_kind: ClassVar[str]
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.output_dir = Path(cfg.output_dir)
+        self.step = 0
+        self.history: list[dict[str, Any]] = []
+        self.summary_lines: list[str] = []
+
+    # ------------------------------------------------------------------ hooks for subclasses
+
+    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
+        raise NotImplementedError
+
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def build_model(self) -> torch.nn.Module:
+        return models.load_causal_lm(
+            self.model_path,
+            dtype=eng.torch_dtype(self.precision),
+            trust_remote_code=self.cfg.model.trust_remote_code,
+        )
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> int:
+        """Items the loss averages over (tokens for SFT, pairs for DPO/RM)."""
+        raise NotImplementedError
+
+    def compute_loss(
+        self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Return (loss to backpropagate, metric sums over this micro-batch's items).
+
+        The loss is the micro-batch's summed per-item loss divided by `normalizer`
+        (= global items in the step / (world × grad_accum)); after DeepSpeed's own averaging
+        over ranks and accumulation steps the gradient is exactly that of the mean over every
+        item of the global batch, however it is split. Metric sums are divided by the global
+        item count for logging.
+        """
+        raise NotImplementedError
+
+    def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Derive logged figures from averaged metrics (e.g. perplexity from loss)."""
+        return metrics
+
+    def after_engine(self) -> None:
+        """Set-up that needs the engine (e.g. the DPO reference model)."""
+
+    def evaluate_extra(self, label: str) -> dict[str, float]:
+        """Extra evaluation (e.g. generation checks), run before and after training."""
+        return {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        # Distributed first: ranks decide data shards, and ZeRO-3 model construction needs it.
+        self.dist = eng.setup_distributed()
+        seed_everything(cfg.train.seed)
+        self._prepare_output_dir()
+        self.model_path = models.resolve_model_path(cfg.model.name_or_path)
+        self.tokenizer = models.load_tokenizer(
+            self.model_path, trust_remote_code=cfg.model.trust_remote_code
+        )
+        self.model_config = models.load_config(
+            self.model_path, trust_remote_code=cfg.model.trust_remote_code
+        )
+        # Data before weights: a bad dataset fails in seconds, not after a model load.
+        self._build_data()
+        self.ds_config, self.batch_plan, self.precision = eng.resolve_ds_config(
+            cfg.deepspeed,
+            world_size=self.dist.world_size,
+            hidden_size=models.text_hidden_size(self.model_config),
+            device=eng.device_type(),
+            precision=cfg.train.precision,
+            micro_batch=cfg.train.per_device_batch_size,
+            grad_accum=cfg.train.gradient_accumulation_steps,
+            global_batch=cfg.train.global_batch_size,
+            max_grad_norm=cfg.train.max_grad_norm,
+            learning_rate=cfg.train.learning_rate,
+            adam_betas=cfg.train.adam_betas,
+            adam_eps=cfg.train.adam_eps,
+            weight_decay=cfg.train.weight_decay,
+            explicit=cfg.explicit_keys,
+        )
+        self._plan_steps()
+        self._resume_dir = self._find_resume_dir()
+        with eng.model_init_context(self.ds_config):
+            model = self.build_model()
+        self.engine = eng.Engine(
+            model,
+            self.ds_config,
+            learning_rate=cfg.train.learning_rate,
+            adam_betas=cfg.train.adam_betas,
+            adam_eps=cfg.train.adam_eps,
+            weight_decay=cfg.train.weight_decay,
+            schedule=cfg.train.lr_scheduler,
+            total_steps=self.total_steps,
+            warmup_steps=math.ceil(cfg.train.warmup_ratio * self.total_steps),
+        )
+        self.after_engine()
+        if self._resume_dir is not None:
+            self._load_checkpoint(self._resume_dir)
+        self.logger = None
+        if self.dist.is_main:
+            self.logger = MetricsLogger(
+                self.output_dir,
+                backends=cfg.logging.backends,
+                project=cfg.logging.project,
+                run_name=cfg.logging.run_name,
+                config=cfg.to_dict(),
+                resume=self._resume_dir is not None,
+            )
+            self._write_resolved_config(self.output_dir)
+            self._print_summary()
+
+    def _prepare_output_dir(self) -> None:
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise ConfigError(f"output_dir={str(self.output_dir)!r} exists and is not a folder")
+        if self.dist.is_main:
+            try:
+                self.output_dir.mkdir(parents=True, exist_ok=True)
+                probe = self.output_dir / ".write-test"
+                probe.write_text("ok")
+                probe.unlink()
+            except OSError as err:
+                raise ConfigError(f"output_dir={str(self.output_dir)!r} is not writable: {err}") from None
+        eng.barrier()
+
+    def _build_data(self) -> None:
+        cfg = self.cfg.data
+        records, load_report = load_records(cfg.path, format=cfg.format, columns=cfg.columns)
+        self._check_kind(records, cfg.path)
+        if cfg.eval_path:
+            eval_records, _ = load_records(cfg.eval_path, format=cfg.format, columns=cfg.columns)
+            self._check_kind(eval_records, cfg.eval_path)
+            train_records = records
+        elif cfg.eval_fraction > 0:
+            train_records, eval_records = split_records(
+                records, eval_fraction=cfg.eval_fraction, seed=self.cfg.train.seed
+            )
+        else:
+            train_records, eval_records = records, []
+        if cfg.max_train_samples:
+            train_records = train_records[: cfg.max_train_samples]
+        if cfg.max_eval_samples:
+            eval_records = eval_records[: cfg.max_eval_samples]
+        self.eval_records = eval_records
+        self.train_rows, train_report = self.encode(train_records, split="train")
+        self.eval_rows, eval_report = self.encode(eval_records, split="eval") if eval_records else ([], None)
+        self.data_reports = [r for r in (load_report, train_report, eval_report) if r is not None]
+        if not self.train_rows:
+            raise UserError(
+                f"no usable training rows in {cfg.path}:\n"
+                + "\n".join(r.summary() for r in self.data_reports)
+            )
+
+    def _check_kind(self, records: list[dict], source: str) -> None:
+        if not records:
+            return
+        key = "messages" if self.record_kind == "conversation" else "chosen"
+        if key not in records[0]:
+            found = "preference pairs" if "chosen" in records[0] else "conversations"
+            raise UserError(
+                f"task={self.task} needs {self.record_kind} data, but {source} holds {found}. "
+                f"Choose a {self.record_kind} dataset with data.path=..."
+            )
+
+    def _plan_steps(self) -> None:
+        plan = self.batch_plan
+        n = len(self.train_rows)
+        self.steps_per_epoch = n // plan.global_batch
+        if self.steps_per_epoch == 0:
+            raise ConfigError(
+                f"the training set has {n} usable rows, fewer than one global batch "
+                f"({plan.describe()}): lower train.per_device_batch_size or "
+                "train.gradient_accumulation_steps, or add data"
+            )
+        max_steps = self.cfg.train.max_steps
+        self.total_steps = max_steps if max_steps > 0 else self.steps_per_epoch * self.cfg.train.epochs
+
+    # ------------------------------------------------------------------ summary
+
+    def _print_summary(self) -> None:
+        cfg = self.cfg
+        trainable, frozen = models.count_parameters(self.engine.module)
+        plan = self.batch_plan
+        stage = self.engine.zero_stage
+        offload = []
+        if eng.offloads_optimizer(self.ds_config):
+            offload.append("optimizer")
+        if eng.offloads_params(self.ds_config):
+            offload.append("parameters")
+        estimate = eng.estimate_model_state_memory(
+            trainable + frozen, stage, plan.world_size, bool(offload)
+        )
+        lines = [
+            f"align_anything {self.task}",
+            f"  model           {cfg.model.name_or_path} ({self.model_config.model_type}): "
+            f"{trainable / 1e6:.1f}M trainable, {frozen / 1e6:.1f}M frozen parameters",
+            f"  world size      {plan.world_size} ({self.dist.backend} on {self.dist.device.type})",
+            f"  effective batch {plan.describe()}",
+            f"  steps           {self.total_steps} ({self.steps_per_epoch} per epoch, "
+            f"{len(self.train_rows)} train rows, {len(self.eval_rows)} eval rows)",
+            f"  deepspeed       ZeRO stage {stage}"
+            + (f", offload {' + '.join(offload)}" if offload else "")
+            + f" ({Path(cfg.deepspeed_source).name})",
+            f"  precision       {self.precision}",
+            f"  memory plan     model states ≈ {estimate:.2f} GiB per device "
+            f"(mixed-precision Adam, ZeRO-{stage}); now {eng.memory_summary()}",
+            *self.summary_lines,
+            *(f"  data            {r.summary()}" for r in self.data_reports),
+            *(f"  logging         {note}" for note in self.logger.notes),
+            f"  output          {self.output_dir} (metrics.jsonl, config.json, ds_config.json)",
+        ]
+        if self._resume_dir is not None:
+            lines.append(f"  resumed         from {self._resume_dir} at step {self.step}")
+        print("\n".join(lines), flush=True)
+
+    def _write_resolved_config(self, directory: Path) -> None:
+        (directory / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        (directory / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
+
+    # ------------------------------------------------------------------ training
+
+    def _micro_batches_for_step(self, step: int) -> list[dict[str, torch.Tensor]]:
+        plan = self.batch_plan
+        epoch, in_epoch = divmod(step, self.steps_per_epoch)
+        indices = step_indices(
+            len(self.train_rows),
+            global_batch=plan.global_batch,
+            seed=self.cfg.train.seed,
+            epoch=epoch,
+            step=in_epoch,
+        )
+        slices = rank_micro_batches(
+            indices,
+            micro=plan.micro_batch,
+            accum=plan.grad_accum,
+            world=plan.world_size,
+            rank=self.dist.rank,
+        )
+        return [self._to_device(self.collate([self.train_rows[i] for i in s])) for s in slices]
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        device = self.engine.device
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def train(self) -> None:
+        """The step loop: batches → loss → backward → step → log, evaluate, checkpoint."""
+        cfg = self.cfg
+        plan = self.batch_plan
+        if self.step == 0:
+            self._log_eval(self.evaluate(label="before"), "before")
+        progress = Progress(self.total_steps, initial=self.step, enabled=self.dist.is_main)
+        self.engine.train()
+        window_tokens = 0.0
+        window_start = time.perf_counter()
+        train_start = window_start
+        sums: dict[str, float] = defaultdict(float)
+        items_logged = 0.0
+        while self.step < self.total_steps:
+            micro_batches = self._micro_batches_for_step(self.step)
+            counts = torch.tensor(
+                [float(sum(self.count_items(b) for b in micro_batches)),
+                 float(sum(int(b["attention_mask"].sum()) for b in micro_batches))],
+                dtype=torch.float64,
+            )  # fmt: skip
+            eng.all_reduce_sum(counts)
+            global_items, global_tokens = float(counts[0]), float(counts[1])
+            normalizer = max(global_items, 1.0) / (plan.world_size * plan.grad_accum)
+            step_sums: dict[str, torch.Tensor] = {}
+            step_lr = self.engine.learning_rate()  # the rate this step uses (the schedule moves on after it)
+            for batch in micro_batches:
+                loss, metric_sums = self.compute_loss(batch, normalizer=normalizer, training=True)
+                self.engine.backward(loss)
+                self.engine.step()
+                for key, value in metric_sums.items():
+                    step_sums[key] = step_sums.get(key, 0) + value.detach().double().cpu()
+            self.step += 1
+            keys = sorted(step_sums)
+            packed = torch.stack([step_sums[k].reshape(()) for k in keys]) if keys else torch.zeros(0)
+            eng.all_reduce_sum(packed)
+            for key, value in zip(keys, packed.tolist(), strict=True):
+                sums[key] += value
+            items_logged += global_items
+            window_tokens += global_tokens
+            if not all(math.isfinite(v) for v in packed.tolist()):
+                self._stop_on_nonfinite(keys, packed.tolist())
+
+            if self.step % cfg.train.log_every_steps == 0 or self.step == self.total_steps:
+                now = time.perf_counter()
+                elapsed = max(now - window_start, 1e-9)
+                metrics = {k: v / max(items_logged, 1.0) for k, v in sums.items()}
+                metrics = self.finalize_metrics(metrics)
+                metrics.update(
+                    epoch=self.step / self.steps_per_epoch,
+                    learning_rate=step_lr,
+                    grad_norm=self.engine.grad_norm(),
+                    tokens_per_second=window_tokens / elapsed,
+                    samples_per_second=items_logged / elapsed if self.count_unit == "samples" else None,
+                    elapsed_seconds=now - train_start,
+                )
+                metrics = {k: v for k, v in metrics.items() if v is not None}
+                self.history.append({"step": self.step, **metrics})
+                if self.logger is not None:
+                    self.logger.log(self.step, metrics)
+                progress.update(self.step, metrics)
+                sums.clear()
+                items_logged = 0.0
+                window_tokens = 0.0
+                window_start = time.perf_counter()
+
+            if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and self.step != self.total_steps:
+                self._log_eval(self.evaluate(label=f"step {self.step}"), f"step {self.step}", progress)
+                self.engine.train()
+            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+                self.save_checkpoint()
+        progress.close()
+        self.train_seconds = time.perf_counter() - train_start
+        self._log_eval(self.evaluate(label="after"), "after")
+
+    count_unit: ClassVar[str] = "samples"
+
+    def _stop_on_nonfinite(self, keys: list[str], values: list[float]) -> None:
+        bad = ", ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True) if not math.isfinite(v))
+        raise UserError(
+            f"non-finite training metric at step {self.step} ({bad}); stopping. The last good "
+            f"checkpoint (if any) is under {self.output_dir / 'checkpoints'}. Lower "
+            "train.learning_rate or check the data of this step."
+        )
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _eval_micro_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
+        """This rank's eval micro-batches. Every rank yields the same number (ZeRO-3 forward
+        passes are collective); a rank with nothing left runs a dummy batch flagged False."""
+        world, rank = self.dist.world_size, self.dist.rank
+        micro = self.batch_plan.micro_batch
+        mine = self.eval_rows[rank::world]
+        per_rank = math.ceil(len(self.eval_rows) / world)
+        for start in range(0, per_rank, micro):
+            rows = mine[start : start + micro]
+            if rows:
+                yield self._to_device(self.collate(rows)), True
+            else:
+                yield self._to_device(self.collate(self.eval_rows[:1])), False
+
+    @torch.no_grad()
+    def evaluate(self, *, label: str) -> dict[str, float]:
+        """Held-out metrics, averaged over every eval item on every rank, plus the trainer's
+        extra evaluation."""
+        results: dict[str, float] = {}
+        if self.eval_rows:
+            self.engine.eval()
+            sums: dict[str, torch.Tensor] = {}
+            items = torch.zeros((), dtype=torch.float64)
+            for batch, real in self._eval_micro_batches():
+                _, metric_sums = self.compute_loss(batch, normalizer=1.0, training=False)
+                if not real:
+                    continue
+                items += self.count_items(batch)
+                for key, value in metric_sums.items():
+                    sums[key] = sums.get(key, 0) + value.detach().double().cpu()
+            keys = sorted(set(sums) | set(self._metric_keys()))
+            packed = torch.stack([sums.get(k, torch.zeros((), dtype=torch.float64)).reshape(()) for k in keys] + [items])
+            eng.all_reduce_sum(packed)
+            total = max(float(packed[-1]), 1.0)
+            averaged = {k: v / total for k, v in zip(keys, packed[:-1].tolist(), strict=True)}
+            results.update({f"eval/{k}": v for k, v in self.finalize_metrics(averaged).items()})
+            self.engine.train()
+        results.update(self.evaluate_extra(label))
+        return results
+
+    def _metric_keys(self) -> list[str]:
+        """Metric names every rank reports (so ranks pack the same keys)."""
+        return ["loss"]
+
+    def _log_eval(self, results: dict[str, float], label: str, progress: Progress | None = None) -> None:
+        if not results:
+            return
+        results = {k: v for k, v in results.items()}
+        self.history.append({"step": self.step, "phase": label, **results})
+        if self.logger is not None:
+            self.logger.log(self.step, {"phase": label, **results})
+            text = f"eval ({label}): " + ", ".join(
+                f"{k.removeprefix('eval/')} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                for k, v in results.items()
+            )
+            (progress.write(text) if progress else print(text, flush=True))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _checkpoint_root(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def _complete_checkpoints(self) -> list[Path]:
+        root = self._checkpoint_root()
+        if not root.is_dir():
+            return []
+        found = [
+            p for p in root.iterdir()
+            if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
+            and p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / "trainer_state.json").exists()
+        ]  # fmt: skip
+        return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
+
+    def _find_resume_dir(self) -> Path | None:
+        resume = self.cfg.resume
+        if resume in (None, "", "none", "null"):
+            return None
+        if resume == "auto":
+            found = self._complete_checkpoints()
+            return found[-1] if found else None
+        path = Path(resume)
+        if not (path / "trainer_state.json").exists() or not (path / "deepspeed").is_dir():
+            raise ConfigError(
+                f"resume={resume!r} is not a complete align_anything checkpoint (expected "
+                f"trainer_state.json and deepspeed/ inside; checkpoints live under "
+                f"{self._checkpoint_root()}/{CHECKPOINT_PREFIX}N)"
+            )
+        return path
+
+    def save_checkpoint(self) -> Path:
+        """Write `checkpoints/step-N` under a temporary name, rename when complete, then prune
+        old ones: a crash mid-save never damages the last good checkpoint."""
+        root = self._checkpoint_root()
+        final = root / f"{CHECKPOINT_PREFIX}{self.step}"
+        tmp = root / f".tmp-{CHECKPOINT_PREFIX}{self.step}"
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        eng.barrier()
+        self.engine.save_checkpoint(tmp, client_state={"step": self.step})
+        torch.save(
+            {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
+            tmp / f"rng_state_rank{self.dist.rank}.pt",
+        )
+        eng.barrier()
+        if self.dist.is_main:
+            self._write_resolved_config(tmp)
+            state = {
+                "step": self.step,
+                "epoch": self.step / self.steps_per_epoch,
+                "global_batch": self.batch_plan.global_batch,
+                "world_size": self.dist.world_size,
+                "task": self.task,
+                "model": self.cfg.model.name_or_path,
+            }
+            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in self._complete_checkpoints()[: -self.cfg.checkpoint.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        eng.barrier()
+        return final
+
+    def _load_checkpoint(self, directory: Path) -> None:
+        state = json.loads((directory / "trainer_state.json").read_text())
+        if state.get("global_batch") != self.batch_plan.global_batch:
+            raise ConfigError(
+                f"checkpoint {directory} was trained with global batch {state.get('global_batch')}, "
+                f"this run has {self.batch_plan.global_batch}: the data order would differ"
+            )
+        self.engine.load_checkpoint(directory)
+        self.step = int(state["step"])
+        rng_file = directory / f"rng_state_rank{self.dist.rank}.pt"
+        if rng_file.exists():
+            rng = torch.load(rng_file, weights_only=False)
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+
+    # ------------------------------------------------------------------ export
+
+    def save(self) -> Path | None:
+        """Export `output_dir/final` as a Hugging Face folder (safetensors + tokenizer)."""
+        if not self.cfg.checkpoint.save_final:
+            return None
+        state = self.engine.full_state_dict()
+        final = self.output_dir / "final"
+        if self.dist.is_main:
+            tmp = self.output_dir / ".tmp-final"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.export_module().save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            self._write_resolved_config(tmp)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        eng.barrier()
+        return final
+
+    def export_module(self) -> Any:
+        return self.engine.module
+
+    def cleanup(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        summary = self.final_summary()
+        if self.dist.is_main and summary:
+            print(summary, flush=True)
+            (self.output_dir / "summary.json").write_text(json.dumps(self.summary_data(), indent=2) + "\n")
+        eng.teardown_distributed()
+
+    def summary_data(self) -> dict[str, Any]:
+        evals = {h["phase"]: h for h in self.history if "phase" in h}
+        return {"task": self.task, "steps": self.step, "evaluations": evals,
+                "train_seconds": getattr(self, "train_seconds", None)}  # fmt: skip
+
+    def final_summary(self) -> str:
+        evals = [h for h in self.history if "phase" in h]
+        if not evals:
+            return ""
+        lines = [f"finished {self.task}: {self.step} steps in {getattr(self, 'train_seconds', 0):.0f} s"]
+        keys = sorted({k for h in evals for k in h if k not in ("step", "phase")})
+        for key in keys:
+            values = " → ".join(
+                f"{h[key]:.4f}" if isinstance(h.get(key), float) else str(h.get(key, "-")) for h in evals
+            )
+            lines.append(f"  {key:28s} {values}   ({' → '.join(h['phase'] for h in evals)})")
+        return "\n".join(lines)

@@ -1,0 +1,236 @@
+"""Direct preference optimisation and its loss family (sigmoid/cDPO, IPO, hinge, robust, and the
+reference-free SimPO and ORPO).
+
+Chosen and rejected go through one forward pass (stacked on the batch axis). Log-probs are summed
+over completion tokens found on the ids fed to the model. The reference is the model as loaded
+at the start of the run, either precomputed in one no-grad pass (default: the reference never
+occupies memory during training) or kept as a frozen model (`dpo.reference=model`; under ZeRO-3
+a partitioned inference engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from align_anything import engine as eng
+from align_anything.data import DataReport, collate_preference, encode_preference
+from align_anything.data.builtin import has_preferred_property
+from align_anything.losses import REFERENCE_FREE_LOSS_TYPES, completion_logps, dpo_loss
+from align_anything.trainers.base import Trainer, step_indices
+
+REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+
+# Built-in datasets whose preferred property a program can check on a generated answer.
+PROPERTY_CHECKS: dict[str, Callable[[dict, str], bool]] = {
+    "arith-pref": has_preferred_property,
+    "arith-pref-eval": has_preferred_property,
+}
+
+
+def property_check(data_path: str) -> Callable[[dict, str], bool] | None:
+    """The generation check of a built-in dataset, or None for other data."""
+    return PROPERTY_CHECKS.get(data_path)
+
+
+class DPOTrainer(Trainer):
+    task: ClassVar[str] = "dpo"
+    record_kind: ClassVar[str] = "preference"
+
+    # ------------------------------------------------------------------ data
+
+    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
+        return encode_preference(
+            records,
+            self.tokenizer,
+            max_length=self.cfg.data.max_length,
+            truncation=self.cfg.data.truncation,
+        )
+
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        batch = collate_preference(rows, pad_id=self.tokenizer.pad_token_id)
+        if all(key in rows[0] for key in REF_KEYS):
+            for key in REF_KEYS:
+                batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
+        return batch
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    # ------------------------------------------------------------------ reference model
+
+    @property
+    def reference_free(self) -> bool:
+        return self.cfg.dpo.loss_type in REFERENCE_FREE_LOSS_TYPES
+
+    def after_engine(self) -> None:
+        self.reference: eng.InferenceEngine | None = None
+        if self.reference_free:
+            self.summary_lines.append(f"  reference       none ({self.cfg.dpo.loss_type} is reference-free)")
+            return
+        # The reference is always the model as loaded from model.name_or_path (never a resumed
+        # checkpoint), so build it before any checkpoint is loaded into the policy.
+        with eng.model_init_context(self.ds_config):
+            ref_model = self.build_model()
+        self.reference = eng.InferenceEngine(
+            ref_model, self.ds_config, offload=self.cfg.dpo.reference_offload
+        )
+        if self.cfg.dpo.reference == "precompute":
+            self._precompute_reference()
+            self.reference.release()
+            self.reference = None
+            self.summary_lines.append(
+                "  reference       precomputed log-probs (one no-grad pass), model freed"
+            )
+        else:
+            where = "partitioned ZeRO-3 inference engine" if self.reference.stage == 3 else "frozen copy"
+            where += ", offloaded to CPU" if self.cfg.dpo.reference_offload else ""
+            self.summary_lines.append(f"  reference       {where}, no gradients or optimizer state")
+
+    def _rows_needing_reference(self) -> list[int]:
+        """Indices of training rows the planned steps will use (all rows after one epoch)."""
+        plan = self.batch_plan
+        if self.total_steps >= self.steps_per_epoch:
+            return list(range(len(self.train_rows)))
+        used: set[int] = set()
+        for step in range(self.total_steps):
+            used.update(
+                step_indices(len(self.train_rows), global_batch=plan.global_batch,
+                             seed=self.cfg.train.seed, epoch=0, step=step)
+            )  # fmt: skip
+        return sorted(used)
+
+    @torch.no_grad()
+    def _precompute_reference(self) -> None:
+        """Reference log-probs of every needed row: each rank computes a shard, then all ranks
+        exchange them, since any rank may see any row later."""
+        targets = [("train", i) for i in self._rows_needing_reference()]
+        targets += [("eval", i) for i in range(len(self.eval_rows))]
+        world, rank = self.dist.world_size, self.dist.rank
+        micro = self.batch_plan.micro_batch * 2  # no activations kept: larger batches are fine
+        mine = targets[rank::world]
+        per_rank = -(-len(targets) // world)
+        results: dict[tuple[str, int], tuple[float, float]] = {}
+        for start in range(0, per_rank, micro):
+            chunk = mine[start : start + micro]
+            real = bool(chunk)
+            chunk = chunk or targets[:1]  # every rank runs the same number of passes (ZeRO-3)
+            rows = [self._row(split, i) for split, i in chunk]
+            batch = self._to_device(collate_preference(rows, pad_id=self.tokenizer.pad_token_id))
+            chosen, rejected = self._sequence_logps(self.reference, batch)
+            if real:
+                for key, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=True):
+                    results[key] = (c, r)
+        for part in eng.all_gather_objects(results):
+            for (split, i), (c, r) in part.items():
+                row = self._row(split, i)
+                row["ref_chosen_logps"], row["ref_rejected_logps"] = c, r
+
+    def _row(self, split: str, index: int) -> dict:
+        return (self.train_rows if split == "train" else self.eval_rows)[index]
+
+    def _sequence_logps(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logps, _ = completion_logps(logits, batch["labels"])
+        half = logps.shape[0] // 2
+        return logps[:half], logps[half:]
+
+    # ------------------------------------------------------------------ loss
+
+    def compute_loss(
+        self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.cfg.dpo
+        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logps, counts = completion_logps(logits, batch["labels"])
+        half = logps.shape[0] // 2
+        chosen, rejected = logps[:half], logps[half:]
+        ref_chosen = ref_rejected = None
+        if not self.reference_free:
+            if "ref_chosen_logps" in batch:
+                ref_chosen, ref_rejected = batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+            else:
+                assert self.reference is not None
+                with torch.no_grad():
+                    ref_chosen, ref_rejected = self._sequence_logps(self.reference, batch)
+        out = dpo_loss(
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            beta=cfg.beta,
+            loss_type=cfg.loss_type,
+            label_smoothing=cfg.label_smoothing,
+            chosen_token_counts=counts[:half],
+            rejected_token_counts=counts[half:],
+            simpo_gamma=cfg.simpo_gamma,
+            orpo_lambda=cfg.orpo_lambda,
+        )
+        margins = out.chosen_rewards - out.rejected_rewards
+        metrics = {
+            "loss": out.losses.detach().sum(),
+            "rewards/chosen": out.chosen_rewards.sum(),
+            "rewards/rejected": out.rejected_rewards.sum(),
+            "rewards/accuracies": (margins > 0).float().sum(),
+            "rewards/margins": margins.sum(),
+            "logps/chosen": chosen.detach().sum(),
+            "logps/rejected": rejected.detach().sum(),
+        }
+        return out.losses.sum() / normalizer, metrics
+
+    def _metric_keys(self) -> list[str]:
+        return ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
+                "rewards/margins", "logps/chosen", "logps/rejected"]  # fmt: skip
+
+    # ------------------------------------------------------------------ generation check
+
+    def evaluate_extra(self, label: str) -> dict[str, float]:
+        samples = self.cfg.dpo.generation_check_samples
+        check = property_check(self.cfg.data.eval_path or self.cfg.data.path)
+        if not samples or check is None or not self.eval_records:
+            return {}
+        return {"eval/generation_check": self._generation_check(check, samples)}
+
+    @torch.no_grad()
+    def _generation_check(self, check: Callable[[dict, str], bool], samples: int) -> float:
+        """Share of held-out prompts whose greedy answer has the dataset's preferred property."""
+        records = self.eval_records[:samples]
+        world, rank = self.dist.world_size, self.dist.rank
+        mine = list(range(len(records)))[rank::world]
+        per_rank = -(-len(records) // world)
+        batch_size = 16
+        module = self.engine.module
+        module.eval()
+        tokenizer = self.tokenizer
+        passed = 0
+        for start in range(0, per_rank, batch_size):
+            chunk = mine[start : start + batch_size]
+            real = bool(chunk)
+            chunk = chunk or [0]
+            prompts = [
+                tokenizer.apply_chat_template(records[i]["prompt"], add_generation_prompt=True, tokenize=False)
+                for i in chunk
+            ]
+            tokenizer.padding_side = "left"
+            try:
+                encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            finally:
+                tokenizer.padding_side = "right"
+            encoded = {k: v.to(self.engine.device) for k, v in encoded.items()}
+            output = module.generate(
+                **encoded,
+                max_new_tokens=self.cfg.dpo.generation_max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                synced_gpus=world > 1 and self.engine.zero_stage == 3,
+            )
+            texts = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+            if real:
+                passed += sum(bool(check(records[i], text)) for i, text in zip(chunk, texts, strict=True))
+        self.engine.train()
+        total = torch.tensor([float(passed)], dtype=torch.float64)
+        eng.all_reduce_sum(total)
+        return float(total[0]) / len(records)
+

@@ -1,0 +1,120 @@
+"""Reward modelling: a scalar head on the language model, read at the last real token of each
+sequence; loss −log σ(r+ − r− − margin) with an optional centring term.
+
+The model is `AutoModelForSequenceClassification(num_labels=1)`, so the exported folder scores
+exactly as training did: transformers reads the score at the last token that is not the pad
+token, which is the last real token whatever the padding side, provided no sequence ends with
+the pad id (checked here; another special token is chosen as pad when one would).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from align_anything import engine as eng
+from align_anything import models
+from align_anything.data import DataReport, collate_preference, encode_preference
+from align_anything.errors import DataError
+from align_anything.losses import reward_loss
+from align_anything.trainers.base import Trainer
+
+
+def _ends_with(rows: list[dict], token_id: int) -> bool:
+    return any(
+        (row["prompt_ids"] + row[key])[-1] == token_id for row in rows for key in ("chosen_ids", "rejected_ids")
+    )
+
+
+class RMTrainer(Trainer):
+    task: ClassVar[str] = "rm"
+    record_kind: ClassVar[str] = "preference"
+
+    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
+        column = self.cfg.rm.margin_column
+        if column:
+            missing = [i for i, r in enumerate(records) if r.get(column) is None]
+            if missing:
+                raise DataError(
+                    f"rm.margin_column={column!r}: {len(missing)} of {len(records)} {split} rows "
+                    f"have no such value (first rows: {missing[:5]}); columns found: "
+                    f"{sorted(records[0])}"
+                )
+            records = [{**r, "margin": float(r[column])} for r in records]
+        rows, report = encode_preference(
+            records, self.tokenizer, max_length=self.cfg.data.max_length, truncation=self.cfg.data.truncation
+        )
+        if not column:
+            for row in rows:
+                row.pop("margin", None)
+        self._choose_pad_id(rows)
+        return rows, report
+
+    def _choose_pad_id(self, rows: list[dict]) -> None:
+        """Make sure no sequence ends with the pad id (transformers would then read the score
+        one token early)."""
+        pad_id = self.tokenizer.pad_token_id
+        if not _ends_with(rows, pad_id):
+            return
+        for candidate in self.tokenizer.all_special_ids:
+            if not _ends_with(rows, candidate):
+                self.tokenizer.pad_token = self.tokenizer.convert_ids_to_tokens(candidate)
+                return
+        raise DataError("every special token ends some sequence; cannot choose a pad token for the reward model")
+
+    def build_model(self) -> torch.nn.Module:
+        model = models.load_sequence_classifier(
+            self.model_path, dtype=eng.torch_dtype(self.precision),
+            trust_remote_code=self.cfg.model.trust_remote_code,
+        )  # fmt: skip
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        return model
+
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        return collate_preference(rows, pad_id=self.tokenizer.pad_token_id)
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        output = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        return output.logits.squeeze(-1).float()
+
+    def compute_loss(
+        self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rewards = self.scores(batch)
+        half = rewards.shape[0] // 2
+        chosen, rejected = rewards[:half], rewards[half:]
+        margin = batch.get("margin")
+        # reward_loss averages; the trainer needs per-pair sums to average over the global batch.
+        loss_mean, _ = reward_loss(chosen, rejected, margin=margin, center_coef=self.cfg.rm.center_coef)
+        loss_sum = loss_mean * half
+        diff = (chosen - rejected).detach()
+        both = torch.cat([chosen, rejected]).detach()
+        metrics = {
+            "loss": loss_sum.detach(),
+            "accuracy": (diff > 0).float().sum(),
+            "margin": diff.sum(),
+            # Sums of r and r² over both completions (two per pair) give the mean and std.
+            "reward_sum": both.sum(),
+            "reward_sq_sum": (both * both).sum(),
+        }
+        return loss_sum / normalizer, metrics
+
+    def _metric_keys(self) -> list[str]:
+        return ["loss", "accuracy", "margin", "reward_sum", "reward_sq_sum"]
+
+    def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        if "reward_sum" in metrics:
+            mean = metrics.pop("reward_sum") / 2
+            mean_sq = metrics.pop("reward_sq_sum") / 2
+            metrics["reward_mean"] = mean
+            metrics["reward_std"] = max(mean_sq - mean * mean, 0.0) ** 0.5
+        return metrics
+
+    def export_module(self) -> Any:
+        module = self.engine.module
+        module.config.pad_token_id = self.tokenizer.pad_token_id
+        return module

@@ -1,0 +1,50 @@
+"""Supervised fine-tuning: next-token loss on assistant tokens (prompt, template and padding
+masked), averaged over every target token of the global batch."""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+
+from align_anything.data import DataReport, collate_sft, encode_sft
+from align_anything.losses import IGNORE_INDEX, completion_logps
+from align_anything.trainers.base import Trainer
+
+
+class SFTTrainer(Trainer):
+    task: ClassVar[str] = "sft"
+    record_kind: ClassVar[str] = "conversation"
+    count_unit: ClassVar[str] = "tokens"
+
+    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
+        rows, report = encode_sft(
+            records,
+            self.tokenizer,
+            max_length=self.cfg.data.max_length,
+            truncation=self.cfg.data.truncation,
+        )
+        if not self.cfg.sft.assistant_only_loss:
+            rows = [{**row, "labels": list(row["input_ids"])} for row in rows]
+        return rows, report
+
+    def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        return collate_sft(rows, pad_id=self.tokenizer.pad_token_id)
+
+    def count_items(self, batch: dict[str, torch.Tensor]) -> int:
+        # Targets are labels[:, 1:] (position t predicts token t+1).
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def compute_loss(
+        self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logp_sum, _ = completion_logps(logits, batch["labels"])
+        nll = -logp_sum.sum()
+        return nll / normalizer, {"loss": nll}
+
+    def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        if "loss" in metrics:
+            metrics["perplexity"] = math.exp(min(metrics["loss"], 50.0))
+        return metrics
