@@ -218,7 +218,9 @@ def _solve_batch(
     for short, (ds_key, cfg_key, cfg_value) in names.items():
         preset_value = preset.get(ds_key, AUTO)
         if preset_value not in (AUTO, None) and not _is_number(preset_value):
-            conflicts.append(f"deepspeed.{ds_key}: expected a number or 'auto', got {preset_value!r}")
+            conflicts.append(
+                f"deepspeed.{ds_key}: expected a number or 'auto', got {preset_value!r}"
+            )
             preset_value = AUTO
         if _is_number(preset_value):
             firm[short] = int(preset_value)
@@ -457,9 +459,7 @@ def _build_optimizer(
     return torch.optim.AdamW(groups, **kwargs)
 
 
-def lr_lambda(
-    schedule: str, *, total_steps: int, warmup_steps: int
-) -> Callable[[int], float]:
+def lr_lambda(schedule: str, *, total_steps: int, warmup_steps: int) -> Callable[[int], float]:
     """Multiplier of the peak learning rate after `step` optimizer steps."""
 
     def factor(step: int) -> float:
@@ -509,7 +509,9 @@ class Engine:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
-            model_parameters=None if optimizer else [p for p in model.parameters() if p.requires_grad],
+            model_parameters=None
+            if optimizer
+            else [p for p in model.parameters() if p.requires_grad],
             lr_scheduler=scheduler_fn,
             config=ds_config,
         )
@@ -587,6 +589,12 @@ class Engine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather full weights (rank 0 gets them, other ranks None). Every rank must call."""
+        if self.zero_stage == 3:
+            # Prefetched parameters may still be in flight after the last forward; release them
+            # first, then let DeepSpeed consolidate one layer at a time.
+            self.engine.empty_partition_cache()
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+            return state if dist_info().is_main else None
         return gather_state_dict(self.engine.module, self.zero_stage)
 
 
@@ -705,7 +713,9 @@ def peak_memory_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def estimate_model_state_memory(num_params: int, stage: int, world_size: int, offload: bool) -> float:
+def estimate_model_state_memory(
+    num_params: int, stage: int, world_size: int, offload: bool
+) -> float:
     """Per-device bytes of model states for mixed-precision Adam (ZeRO paper: 2+2+12 bytes per
     parameter, partitioned by stage), in GiB. Offload moves optimizer states (and params) off."""
     per_param = {0: 16.0, 1: 4 + 12 / world_size, 2: 2 + 14 / world_size, 3: 16 / world_size}[

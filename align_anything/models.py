@@ -204,7 +204,9 @@ def load_causal_lm(name_or_path: str, *, dtype: Any, trust_remote_code: bool = F
         raise _not_found(name_or_path, err) from None
 
 
-def load_sequence_classifier(name_or_path: str, *, dtype: Any, trust_remote_code: bool = False) -> Any:
+def load_sequence_classifier(
+    name_or_path: str, *, dtype: Any, trust_remote_code: bool = False
+) -> Any:
     """A causal LM checkpoint with a one-output score head (new head, randomly initialised when
     the checkpoint has none), for reward models."""
     from transformers import AutoModelForSequenceClassification

@@ -36,7 +36,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def step_indices(num_rows: int, *, global_batch: int, seed: int, epoch: int, step: int) -> list[int]:
+def step_indices(
+    num_rows: int, *, global_batch: int, seed: int, epoch: int, step: int
+) -> list[int]:
     """Row indices of one optimizer step's global batch: a seeded permutation per epoch cut
     into consecutive global batches. Depends only on (seed, epoch, step), so the same rows form
     each step whatever the world size or micro-batch split, and resume needs only the step."""
@@ -45,12 +47,29 @@ def step_indices(num_rows: int, *, global_batch: int, seed: int, epoch: int, ste
     return order[step * global_batch : (step + 1) * global_batch].tolist()
 
 
-def rank_micro_batches(indices: list[int], *, micro: int, accum: int, world: int, rank: int) -> list[list[int]]:
+def rank_micro_batches(
+    indices: list[int], *, micro: int, accum: int, world: int, rank: int
+) -> list[list[int]]:
     """This rank's micro-batches of a global batch: micro-batch m of rank r takes the slice
     (m·world + r)·micro … +micro."""
     return [
         indices[(m * world + rank) * micro : (m * world + rank + 1) * micro] for m in range(accum)
     ]
+
+
+def shard_chunks(
+    num_items: int, *, chunk: int, rank: int, world: int
+) -> Iterator[list[int] | None]:
+    """This rank's share of `range(num_items)` (every world-th item) in chunks of `chunk`.
+
+    Every rank yields the same number of chunks, because forward passes under ZeRO-3 are
+    collective; a rank whose share has run out yields None, and should run a dummy batch and
+    discard it.
+    """
+    mine = list(range(rank, num_items, world))
+    per_rank = math.ceil(num_items / world)
+    for start in range(0, per_rank, chunk):
+        yield mine[start : start + chunk] or None
 
 
 class Trainer:
@@ -184,7 +203,9 @@ class Trainer:
                 probe.write_text("ok")
                 probe.unlink()
             except OSError as err:
-                raise ConfigError(f"output_dir={str(self.output_dir)!r} is not writable: {err}") from None
+                raise ConfigError(
+                    f"output_dir={str(self.output_dir)!r} is not writable: {err}"
+                ) from None
         eng.barrier()
 
     def _build_data(self) -> None:
@@ -207,7 +228,9 @@ class Trainer:
             eval_records = eval_records[: cfg.max_eval_samples]
         self.eval_records = eval_records
         self.train_rows, train_report = self.encode(train_records, split="train")
-        self.eval_rows, eval_report = self.encode(eval_records, split="eval") if eval_records else ([], None)
+        self.eval_rows, eval_report = (
+            self.encode(eval_records, split="eval") if eval_records else ([], None)
+        )
         self.data_reports = [r for r in (load_report, train_report, eval_report) if r is not None]
         if not self.train_rows:
             raise UserError(
@@ -237,7 +260,9 @@ class Trainer:
                 "train.gradient_accumulation_steps, or add data"
             )
         max_steps = self.cfg.train.max_steps
-        self.total_steps = max_steps if max_steps > 0 else self.steps_per_epoch * self.cfg.train.epochs
+        self.total_steps = (
+            max_steps if max_steps > 0 else self.steps_per_epoch * self.cfg.train.epochs
+        )
 
     # ------------------------------------------------------------------ summary
 
@@ -330,7 +355,9 @@ class Trainer:
             global_items, global_tokens = float(counts[0]), float(counts[1])
             normalizer = max(global_items, 1.0) / (plan.world_size * plan.grad_accum)
             step_sums: dict[str, torch.Tensor] = {}
-            step_lr = self.engine.learning_rate()  # the rate this step uses (the schedule moves on after it)
+            step_lr = (
+                self.engine.learning_rate()
+            )  # the rate this step uses (the schedule moves on after it)
             for batch in micro_batches:
                 loss, metric_sums = self.compute_loss(batch, normalizer=normalizer, training=True)
                 self.engine.backward(loss)
@@ -339,7 +366,9 @@ class Trainer:
                     step_sums[key] = step_sums.get(key, 0) + value.detach().double().cpu()
             self.step += 1
             keys = sorted(step_sums)
-            packed = torch.stack([step_sums[k].reshape(()) for k in keys]) if keys else torch.zeros(0)
+            packed = (
+                torch.stack([step_sums[k].reshape(()) for k in keys]) if keys else torch.zeros(0)
+            )
             eng.all_reduce_sum(packed)
             for key, value in zip(keys, packed.tolist(), strict=True):
                 sums[key] += value
@@ -358,7 +387,9 @@ class Trainer:
                     learning_rate=step_lr,
                     grad_norm=self.engine.grad_norm(),
                     tokens_per_second=window_tokens / elapsed,
-                    samples_per_second=items_logged / elapsed if self.count_unit == "samples" else None,
+                    samples_per_second=items_logged / elapsed
+                    if self.count_unit == "samples"
+                    else None,
                     elapsed_seconds=now - train_start,
                 )
                 metrics = {k: v for k, v in metrics.items() if v is not None}
@@ -371,8 +402,14 @@ class Trainer:
                 window_tokens = 0.0
                 window_start = time.perf_counter()
 
-            if cfg.train.eval_every_steps and self.step % cfg.train.eval_every_steps == 0 and self.step != self.total_steps:
-                self._log_eval(self.evaluate(label=f"step {self.step}"), f"step {self.step}", progress)
+            if (
+                cfg.train.eval_every_steps
+                and self.step % cfg.train.eval_every_steps == 0
+                and self.step != self.total_steps
+            ):
+                self._log_eval(
+                    self.evaluate(label=f"step {self.step}"), f"step {self.step}", progress
+                )
                 self.engine.train()
             if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
                 self.save_checkpoint()
@@ -383,7 +420,9 @@ class Trainer:
     count_unit: ClassVar[str] = "samples"
 
     def _stop_on_nonfinite(self, keys: list[str], values: list[float]) -> None:
-        bad = ", ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True) if not math.isfinite(v))
+        bad = ", ".join(
+            f"{k}={v}" for k, v in zip(keys, values, strict=True) if not math.isfinite(v)
+        )
         raise UserError(
             f"non-finite training metric at step {self.step} ({bad}); stopping. The last good "
             f"checkpoint (if any) is under {self.output_dir / 'checkpoints'}. Lower "
@@ -395,16 +434,12 @@ class Trainer:
     def _eval_micro_batches(self) -> Iterator[tuple[dict[str, torch.Tensor], bool]]:
         """This rank's eval micro-batches. Every rank yields the same number (ZeRO-3 forward
         passes are collective); a rank with nothing left runs a dummy batch flagged False."""
-        world, rank = self.dist.world_size, self.dist.rank
-        micro = self.batch_plan.micro_batch
-        mine = self.eval_rows[rank::world]
-        per_rank = math.ceil(len(self.eval_rows) / world)
-        for start in range(0, per_rank, micro):
-            rows = mine[start : start + micro]
-            if rows:
-                yield self._to_device(self.collate(rows)), True
-            else:
-                yield self._to_device(self.collate(self.eval_rows[:1])), False
+        for chunk in shard_chunks(
+            len(self.eval_rows), chunk=self.batch_plan.micro_batch,
+            rank=self.dist.rank, world=self.dist.world_size,
+        ):  # fmt: skip
+            rows = [self.eval_rows[i] for i in chunk or [0]]
+            yield self._to_device(self.collate(rows)), chunk is not None
 
     @torch.no_grad()
     def evaluate(self, *, label: str) -> dict[str, float]:
@@ -423,7 +458,10 @@ class Trainer:
                 for key, value in metric_sums.items():
                     sums[key] = sums.get(key, 0) + value.detach().double().cpu()
             keys = sorted(set(sums) | set(self._metric_keys()))
-            packed = torch.stack([sums.get(k, torch.zeros((), dtype=torch.float64)).reshape(()) for k in keys] + [items])
+            packed = torch.stack(
+                [sums.get(k, torch.zeros((), dtype=torch.float64)).reshape(()) for k in keys]
+                + [items]
+            )
             eng.all_reduce_sum(packed)
             total = max(float(packed[-1]), 1.0)
             averaged = {k: v / total for k, v in zip(keys, packed[:-1].tolist(), strict=True)}
@@ -436,7 +474,9 @@ class Trainer:
         """Metric names every rank reports (so ranks pack the same keys)."""
         return ["loss"]
 
-    def _log_eval(self, results: dict[str, float], label: str, progress: Progress | None = None) -> None:
+    def _log_eval(
+        self, results: dict[str, float], label: str, progress: Progress | None = None
+    ) -> None:
         if not results:
             return
         results = {k: v for k, v in results.items()}
@@ -564,7 +604,9 @@ class Trainer:
         summary = self.final_summary()
         if self.dist.is_main and summary:
             print(summary, flush=True)
-            (self.output_dir / "summary.json").write_text(json.dumps(self.summary_data(), indent=2) + "\n")
+            (self.output_dir / "summary.json").write_text(
+                json.dumps(self.summary_data(), indent=2) + "\n"
+            )
         eng.teardown_distributed()
 
     def summary_data(self) -> dict[str, Any]:
@@ -576,11 +618,14 @@ class Trainer:
         evals = [h for h in self.history if "phase" in h]
         if not evals:
             return ""
-        lines = [f"finished {self.task}: {self.step} steps in {getattr(self, 'train_seconds', 0):.0f} s"]
+        lines = [
+            f"finished {self.task}: {self.step} steps in {getattr(self, 'train_seconds', 0):.0f} s"
+        ]
         keys = sorted({k for h in evals for k in h if k not in ("step", "phase")})
         for key in keys:
             values = " → ".join(
-                f"{h[key]:.4f}" if isinstance(h.get(key), float) else str(h.get(key, "-")) for h in evals
+                f"{h[key]:.4f}" if isinstance(h.get(key), float) else str(h.get(key, "-"))
+                for h in evals
             )
             lines.append(f"  {key:28s} {values}   ({' → '.join(h['phase'] for h in evals)})")
         return "\n".join(lines)

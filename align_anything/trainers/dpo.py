@@ -19,7 +19,7 @@ from align_anything import engine as eng
 from align_anything.data import DataReport, collate_preference, encode_preference
 from align_anything.data.builtin import has_preferred_property
 from align_anything.losses import REFERENCE_FREE_LOSS_TYPES, completion_logps, dpo_loss
-from align_anything.trainers.base import Trainer, step_indices
+from align_anything.trainers.base import Trainer, shard_chunks, step_indices
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -68,7 +68,9 @@ class DPOTrainer(Trainer):
     def after_engine(self) -> None:
         self.reference: eng.InferenceEngine | None = None
         if self.reference_free:
-            self.summary_lines.append(f"  reference       none ({self.cfg.dpo.loss_type} is reference-free)")
+            self.summary_lines.append(
+                f"  reference       none ({self.cfg.dpo.loss_type} is reference-free)"
+            )
             return
         # The reference is always the model as loaded from model.name_or_path (never a resumed
         # checkpoint), so build it before any checkpoint is loaded into the policy.
@@ -85,7 +87,11 @@ class DPOTrainer(Trainer):
                 "  reference       precomputed log-probs (one no-grad pass), model freed"
             )
         else:
-            where = "partitioned ZeRO-3 inference engine" if self.reference.stage == 3 else "frozen copy"
+            where = (
+                "partitioned ZeRO-3 inference engine"
+                if self.reference.stage == 3
+                else "frozen copy"
+            )
             where += ", offloaded to CPU" if self.cfg.dpo.reference_offload else ""
             self.summary_lines.append(f"  reference       {where}, no gradients or optimizer state")
 
@@ -105,24 +111,31 @@ class DPOTrainer(Trainer):
     @torch.no_grad()
     def _precompute_reference(self) -> None:
         """Reference log-probs of every needed row: each rank computes a shard, then all ranks
-        exchange them, since any rank may see any row later."""
-        targets = [("train", i) for i in self._rows_needing_reference()]
-        targets += [("eval", i) for i in range(len(self.eval_rows))]
-        world, rank = self.dist.world_size, self.dist.rank
-        micro = self.batch_plan.micro_batch * 2  # no activations kept: larger batches are fine
-        mine = targets[rank::world]
-        per_rank = -(-len(targets) // world)
+        exchange them, since any rank may see any row later. Eval rows are batched exactly as
+        `evaluate` batches them, so at step 0 policy and reference agree bit for bit."""
         results: dict[tuple[str, int], tuple[float, float]] = {}
-        for start in range(0, per_rank, micro):
-            chunk = mine[start : start + micro]
-            real = bool(chunk)
-            chunk = chunk or targets[:1]  # every rank runs the same number of passes (ZeRO-3)
-            rows = [self._row(split, i) for split, i in chunk]
-            batch = self._to_device(collate_preference(rows, pad_id=self.tokenizer.pad_token_id))
-            chosen, rejected = self._sequence_logps(self.reference, batch)
-            if real:
-                for key, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=True):
-                    results[key] = (c, r)
+        needed = {"train": self._rows_needing_reference(), "eval": list(range(len(self.eval_rows)))}
+        # No activations are kept for backward, so training rows can go in larger batches.
+        chunk_sizes = {
+            "train": self.batch_plan.micro_batch * 2,
+            "eval": self.batch_plan.micro_batch,
+        }
+        for split, indices in needed.items():
+            for chunk in shard_chunks(
+                len(indices),
+                chunk=chunk_sizes[split],
+                rank=self.dist.rank,
+                world=self.dist.world_size,
+            ):
+                keys = [(split, indices[i]) for i in chunk or [0]]
+                rows = [self._row(*key) for key in keys]
+                batch = self._to_device(
+                    collate_preference(rows, pad_id=self.tokenizer.pad_token_id)
+                )
+                chosen, rejected = self._sequence_logps(self.reference, batch)
+                if chunk is not None:
+                    for key, c, r in zip(keys, chosen.tolist(), rejected.tolist(), strict=True):
+                        results[key] = (c, r)
         for part in eng.all_gather_objects(results):
             for (split, i), (c, r) in part.items():
                 row = self._row(split, i)
@@ -131,7 +144,9 @@ class DPOTrainer(Trainer):
     def _row(self, split: str, index: int) -> dict:
         return (self.train_rows if split == "train" else self.eval_rows)[index]
 
-    def _sequence_logps(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sequence_logps(
+        self, model: Any, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logps, _ = completion_logps(logits, batch["labels"])
         half = logps.shape[0] // 2
@@ -143,7 +158,9 @@ class DPOTrainer(Trainer):
         self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg.dpo
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = self.engine(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits
         logps, counts = completion_logps(logits, batch["labels"])
         half = logps.shape[0] // 2
         chosen, rejected = logps[:half], logps[half:]
@@ -197,25 +214,25 @@ class DPOTrainer(Trainer):
     def _generation_check(self, check: Callable[[dict, str], bool], samples: int) -> float:
         """Share of held-out prompts whose greedy answer has the dataset's preferred property."""
         records = self.eval_records[:samples]
-        world, rank = self.dist.world_size, self.dist.rank
-        mine = list(range(len(records)))[rank::world]
-        per_rank = -(-len(records) // world)
-        batch_size = 16
+        world = self.dist.world_size
         module = self.engine.module
         module.eval()
         tokenizer = self.tokenizer
         passed = 0
-        for start in range(0, per_rank, batch_size):
-            chunk = mine[start : start + batch_size]
-            real = bool(chunk)
+        for chunk in shard_chunks(len(records), chunk=16, rank=self.dist.rank, world=world):
+            real = chunk is not None
             chunk = chunk or [0]
             prompts = [
-                tokenizer.apply_chat_template(records[i]["prompt"], add_generation_prompt=True, tokenize=False)
+                tokenizer.apply_chat_template(
+                    records[i]["prompt"], add_generation_prompt=True, tokenize=False
+                )
                 for i in chunk
             ]
             tokenizer.padding_side = "left"
             try:
-                encoded = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+                encoded = tokenizer(
+                    prompts, return_tensors="pt", padding=True, add_special_tokens=False
+                )
             finally:
                 tokenizer.padding_side = "right"
             encoded = {k: v.to(self.engine.device) for k, v in encoded.items()}
@@ -226,11 +243,14 @@ class DPOTrainer(Trainer):
                 pad_token_id=tokenizer.pad_token_id,
                 synced_gpus=world > 1 and self.engine.zero_stage == 3,
             )
-            texts = tokenizer.batch_decode(output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True)
+            texts = tokenizer.batch_decode(
+                output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
+            )
             if real:
-                passed += sum(bool(check(records[i], text)) for i, text in zip(chunk, texts, strict=True))
+                passed += sum(
+                    bool(check(records[i], text)) for i, text in zip(chunk, texts, strict=True)
+                )
         self.engine.train()
         total = torch.tensor([float(passed)], dtype=torch.float64)
         eng.all_reduce_sum(total)
         return float(total[0]) / len(records)
-

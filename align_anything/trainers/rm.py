@@ -23,7 +23,9 @@ from align_anything.trainers.base import Trainer
 
 def _ends_with(rows: list[dict], token_id: int) -> bool:
     return any(
-        (row["prompt_ids"] + row[key])[-1] == token_id for row in rows for key in ("chosen_ids", "rejected_ids")
+        (row["prompt_ids"] + row[key])[-1] == token_id
+        for row in rows
+        for key in ("chosen_ids", "rejected_ids")
     )
 
 
@@ -43,7 +45,10 @@ class RMTrainer(Trainer):
                 )
             records = [{**r, "margin": float(r[column])} for r in records]
         rows, report = encode_preference(
-            records, self.tokenizer, max_length=self.cfg.data.max_length, truncation=self.cfg.data.truncation
+            records,
+            self.tokenizer,
+            max_length=self.cfg.data.max_length,
+            truncation=self.cfg.data.truncation,
         )
         if not column:
             for row in rows:
@@ -61,7 +66,9 @@ class RMTrainer(Trainer):
             if not _ends_with(rows, candidate):
                 self.tokenizer.pad_token = self.tokenizer.convert_ids_to_tokens(candidate)
                 return
-        raise DataError("every special token ends some sequence; cannot choose a pad token for the reward model")
+        raise DataError(
+            "every special token ends some sequence; cannot choose a pad token for the reward model"
+        )
 
     def build_model(self) -> torch.nn.Module:
         model = models.load_sequence_classifier(
@@ -89,7 +96,9 @@ class RMTrainer(Trainer):
         chosen, rejected = rewards[:half], rewards[half:]
         margin = batch.get("margin")
         # reward_loss averages; the trainer needs per-pair sums to average over the global batch.
-        loss_mean, _ = reward_loss(chosen, rejected, margin=margin, center_coef=self.cfg.rm.center_coef)
+        loss_mean, _ = reward_loss(
+            chosen, rejected, margin=margin, center_coef=self.cfg.rm.center_coef
+        )
         loss_sum = loss_mean * half
         diff = (chosen - rejected).detach()
         both = torch.cat([chosen, rejected]).detach()

@@ -39,7 +39,9 @@ class SFTTrainer(Trainer):
     def compute_loss(
         self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = self.engine(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+        ).logits
         logp_sum, _ = completion_logps(logits, batch["labels"])
         nll = -logp_sum.sum()
         return nll / normalizer, {"loss": nll}
