@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from align_anything.errors import ConfigError, did_you_mean
 
@@ -62,6 +62,8 @@ class TrainSection(_Section):
     seed: int = 42
     eval_every_steps: int = Field(0, ge=0)
     log_every_steps: int = Field(1, ge=1)
+    # Project only completion positions onto the vocabulary (same numbers, less compute).
+    completion_only_logits: bool = True
 
     @field_validator("per_device_batch_size", "gradient_accumulation_steps", "global_batch_size")
     @classmethod
@@ -133,16 +135,6 @@ class RunConfig(_Section):
     sft: SFTSection | None = None
     dpo: DPOSection | None = None
     rm: RMSection | None = None
-
-    @model_validator(mode="after")
-    def _only_own_section(self) -> RunConfig:
-        for name in TASK_SECTIONS:
-            if name != self.task and getattr(self, name) is not None:
-                raise ValueError(
-                    f"section '{name}' is set but task is '{self.task}': remove the {name}.* "
-                    f"keys or choose task={name}"
-                )
-        return self
 
     def section(self) -> BaseModel | dict[str, Any] | None:
         """The task's own section (e.g. `cfg.dpo` for task=dpo)."""
@@ -270,7 +262,8 @@ def _format_validation_error(err: ValidationError, raw: dict[str, Any]) -> list[
             lines.append(item["msg"].removeprefix("Value error, "))
             continue
         given = _lookup(raw, loc)
-        lines.append(f"{key}: {item['msg']} (given: {given!r})")
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{key}: {message} (given: {given!r})")
     return sorted(set(lines), key=lines.index)
 
 
@@ -314,12 +307,15 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
     from omegaconf import OmegaConf
 
     parsed = _parse_overrides(overrides)
+    problems: list[str] = []
     task = next((str(v) for k, v in parsed if k == "task"), "sft")
-    if task not in available_tasks():
-        raise ConfigError(
+    task_known = task in available_tasks()
+    if not task_known:
+        problems.append(
             f"task={task!r}: unknown task{did_you_mean(task, available_tasks())}. "
             f"Available tasks: {', '.join(available_tasks())}."
         )
+        task = "sft"  # compose with the default task so the other keys are still checked
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         composed = compose(config_name="train", overrides=[f"task={task}"])
     OmegaConf.set_struct(composed, False)
@@ -335,8 +331,14 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
         OmegaConf.update(composed, key, value, merge=False, force_add=True)
         explicit.add(key)
     raw: dict[str, Any] = OmegaConf.to_container(composed, resolve=True)  # type: ignore[assignment]
-
-    problems: list[str] = []
+    for name in TASK_SECTIONS:
+        if name != task and raw.get(name) is not None:
+            if task_known:
+                problems.append(
+                    f"{name}.*: section '{name}' is set but task is '{task}': remove the "
+                    f"{name}.* keys or choose task={name}"
+                )
+            raw.pop(name)
     preset_spec = str(raw.get("deepspeed", "z0"))
     try:
         preset, source = load_preset(preset_spec)

@@ -108,8 +108,12 @@ def dist_info() -> DistInfo:
 
 
 def teardown_distributed() -> None:
-    """Destroy the process group (end of run)."""
+    """Destroy the process group (end of run) and forget ZeRO-3 model construction."""
     global _DIST
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    _HF_DS_CONFIGS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
     _DIST = None
@@ -217,9 +221,11 @@ def _solve_batch(
     defaults: dict[str, int] = {}
     for short, (ds_key, cfg_key, cfg_value) in names.items():
         preset_value = preset.get(ds_key, AUTO)
-        if preset_value not in (AUTO, None) and not _is_number(preset_value):
+        if preset_value not in (AUTO, None) and not (
+            _is_number(preset_value) and preset_value == int(preset_value) and preset_value > 0
+        ):
             conflicts.append(
-                f"deepspeed.{ds_key}: expected a number or 'auto', got {preset_value!r}"
+                f"deepspeed.{ds_key}: expected a positive integer or 'auto', got {preset_value!r}"
             )
             preset_value = AUTO
         if _is_number(preset_value):
@@ -407,18 +413,17 @@ def model_init_context(ds_config: dict[str, Any]) -> Iterator[None]:
     """Build models inside this context. Under ZeRO-3 transformers then constructs the model
     under `deepspeed.zero.Init`, so weights load straight into partitions (never whole on one
     rank) and `from_pretrained` still applies the checkpoint's weights."""
-    if zero_stage_of(ds_config) != 3:
-        yield
-        return
     from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    holder = HfDeepSpeedConfig(ds_config)
-    _HF_DS_CONFIGS.append(holder)
-    try:
-        yield
-    finally:
-        # Keep the object alive: generation under ZeRO-3 checks it (synced_gpus).
-        pass
+    # transformers keeps a process-wide reference; clear any earlier run's so that a stage-0/2
+    # model built after a stage-3 one in the same process is not partitioned.
+    unset_hf_deepspeed_config()
+    _HF_DS_CONFIGS.clear()
+    if zero_stage_of(ds_config) == 3:
+        # Kept alive after the context: generation under ZeRO-3 checks it (synced_gpus).
+        _HF_DS_CONFIGS.append(HfDeepSpeedConfig(ds_config))
+    yield
 
 
 # --------------------------------------------------------------------------- engines

@@ -54,18 +54,21 @@ class _ChunkedTokenLogps(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: FunctionCtx, logits: Tensor, labels: Tensor, chunk_size: int
+        ctx: FunctionCtx, logits: Tensor, labels: Tensor, chunk_size: int, shift: bool
     ) -> Tensor:
         batch, seq_len, _ = logits.shape
-        targets = labels[:, 1:]
+        # shift=True: logits[:, t] predicts labels[:, t+1] (the last position predicts nothing);
+        # shift=False: logits[:, t] predicts labels[:, t] (positions already selected).
+        targets = labels[:, 1:] if shift else labels
+        positions = seq_len - 1 if shift else seq_len
         scored = targets != IGNORE_INDEX
         # gather needs a valid index at ignored positions; their values are zeroed below.
         safe_targets = targets.masked_fill(~scored, 0)
         dtype = _compute_dtype(logits.dtype)
-        logps = torch.empty((batch, seq_len - 1), dtype=dtype, device=logits.device)
+        logps = torch.empty((batch, positions), dtype=dtype, device=logits.device)
         lse = torch.empty_like(logps)
-        for start in range(0, seq_len - 1, chunk_size):
-            end = min(start + chunk_size, seq_len - 1)
+        for start in range(0, positions, chunk_size):
+            end = min(start + chunk_size, positions)
             chunk = logits[:, start:end].to(dtype)
             chunk_lse = torch.logsumexp(chunk, dim=-1)
             target_logit = chunk.gather(-1, safe_targets[:, start:end, None]).squeeze(-1)
@@ -78,25 +81,25 @@ class _ChunkedTokenLogps(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_logps: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: FunctionCtx, grad_logps: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
         logits, safe_targets, scored, lse = ctx.saved_tensors  # type: ignore[attr-defined]
         chunk_size: int = ctx.chunk_size  # type: ignore[attr-defined]
-        seq_len = logits.shape[1]
+        positions = lse.shape[1]
         dtype = lse.dtype
         # Ignored positions were set to a constant 0 in forward, so they pass no gradient.
         grad = grad_logps.to(dtype) * scored
         grad_logits = torch.empty_like(logits)
-        # The last position predicts nothing (there is no label after it).
-        grad_logits[:, seq_len - 1 :].zero_()
-        for start in range(0, seq_len - 1, chunk_size):
-            end = min(start + chunk_size, seq_len - 1)
+        # With the shift, the last position predicts nothing (there is no label after it).
+        grad_logits[:, positions:].zero_()
+        for start in range(0, positions, chunk_size):
+            end = min(start + chunk_size, positions)
             chunk = logits[:, start:end].to(dtype)
             g = grad[:, start:end, None]
             # d(logit[y] - logsumexp(logit)) / d logit = onehot(y) - softmax(logit)
             chunk_grad = (chunk - lse[:, start:end, None]).exp_().mul_(-g)
             chunk_grad.scatter_add_(-1, safe_targets[:, start:end, None], g)
             grad_logits[:, start:end] = chunk_grad
-        return grad_logits, None, None
+        return grad_logits, None, None, None
 
 
 def _check_logits_labels(logits: Tensor, labels: Tensor, chunk_size: int) -> None:
@@ -127,7 +130,20 @@ def token_logps(logits: Tensor, labels: Tensor, *, chunk_size: int = DEFAULT_CHU
         0 at ignored positions.
     """
     _check_logits_labels(logits, labels, chunk_size)
-    return _ChunkedTokenLogps.apply(logits, labels.long(), chunk_size)
+    return _ChunkedTokenLogps.apply(logits, labels.long(), chunk_size, True)
+
+
+def selected_token_logps(
+    logits: Tensor, targets: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> Tensor:
+    """Log-probability of `targets[i]` under `logits[i]` for logits already taken at the scored
+    positions only ([N, V] and [N]); used when the model projects only those positions onto
+    the vocabulary. Same numerics and memory bound as `token_logps`."""
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(
+            f"expected logits [N, V] and targets [N], got {tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
+    return _ChunkedTokenLogps.apply(logits[None], targets.long()[None], chunk_size, False)[0]
 
 
 def completion_logps(

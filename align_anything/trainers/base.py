@@ -6,6 +6,7 @@ A trainer subclass adds only its data encoding and its batch -> loss function
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from align_anything import models
 from align_anything.config import RunConfig
 from align_anything.data import DataReport, load_records, split_records
 from align_anything.errors import ConfigError, UserError
+from align_anything.losses import IGNORE_INDEX, completion_logps, selected_token_logps
 from align_anything.tracking import MetricsLogger, Progress
 
 CHECKPOINT_PREFIX = "step-"
@@ -70,6 +72,38 @@ def shard_chunks(
     per_rank = math.ceil(num_items / world)
     for start in range(0, per_rank, chunk):
         yield mine[start : start + chunk] or None
+
+
+def supports_logits_to_keep(module: torch.nn.Module) -> bool:
+    """Whether a causal LM's forward can project only selected positions onto the vocabulary
+    (transformers' `logits_to_keep` with a boolean [B, T] mask)."""
+    return "logits_to_keep" in inspect.signature(module.forward).parameters
+
+
+def completion_forward(
+    model: Any, batch: dict[str, torch.Tensor], *, completion_only: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of each sequence's completion tokens and their counts ([B], [B]).
+
+    With `completion_only`, the LM head runs only at positions whose next token is scored:
+    prompt logits are never needed, and the vocabulary projection is a large share of a small
+    model's FLOPs. The numbers equal the full path (same per-position maths).
+    """
+    labels = batch["labels"]
+    if not completion_only:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return completion_logps(logits, labels)
+    # Position t is kept when it predicts a scored token t+1.
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
+    ).logits
+    targets = labels[:, 1:][keep[:, :-1]]
+    token_logps = selected_token_logps(logits, targets)
+    rows = keep.nonzero()[:, 0]
+    sums = torch.zeros(labels.shape[0], dtype=token_logps.dtype, device=token_logps.device)
+    return sums.index_add(0, rows, token_logps), keep.sum(dim=1)
 
 
 class Trainer:
@@ -176,6 +210,9 @@ class Trainer:
             schedule=cfg.train.lr_scheduler,
             total_steps=self.total_steps,
             warmup_steps=math.ceil(cfg.train.warmup_ratio * self.total_steps),
+        )
+        self.completion_only_logits = cfg.train.completion_only_logits and supports_logits_to_keep(
+            self.engine.module
         )
         self.after_engine()
         if self._resume_dir is not None:

@@ -18,8 +18,8 @@ import torch
 from align_anything import engine as eng
 from align_anything.data import DataReport, collate_preference, encode_preference
 from align_anything.data.builtin import has_preferred_property
-from align_anything.losses import REFERENCE_FREE_LOSS_TYPES, completion_logps, dpo_loss
-from align_anything.trainers.base import Trainer, shard_chunks, step_indices
+from align_anything.losses import REFERENCE_FREE_LOSS_TYPES, dpo_loss
+from align_anything.trainers.base import Trainer, completion_forward, shard_chunks, step_indices
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 
@@ -147,8 +147,7 @@ class DPOTrainer(Trainer):
     def _sequence_logps(
         self, model: Any, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logps, _ = completion_logps(logits, batch["labels"])
+        logps, _ = completion_forward(model, batch, completion_only=self.completion_only_logits)
         half = logps.shape[0] // 2
         return logps[:half], logps[half:]
 
@@ -158,10 +157,9 @@ class DPOTrainer(Trainer):
         self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg.dpo
-        logits = self.engine(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).logits
-        logps, counts = completion_logps(logits, batch["labels"])
+        logps, counts = completion_forward(
+            self.engine, batch, completion_only=self.completion_only_logits
+        )
         half = logps.shape[0] // 2
         chosen, rejected = logps[:half], logps[half:]
         ref_chosen = ref_rejected = None

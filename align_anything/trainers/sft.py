@@ -9,8 +9,8 @@ from typing import ClassVar
 import torch
 
 from align_anything.data import DataReport, collate_sft, encode_sft
-from align_anything.losses import IGNORE_INDEX, completion_logps
-from align_anything.trainers.base import Trainer
+from align_anything.losses import IGNORE_INDEX
+from align_anything.trainers.base import Trainer, completion_forward
 
 
 class SFTTrainer(Trainer):
@@ -39,10 +39,9 @@ class SFTTrainer(Trainer):
     def compute_loss(
         self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = self.engine(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-        ).logits
-        logp_sum, _ = completion_logps(logits, batch["labels"])
+        logp_sum, _ = completion_forward(
+            self.engine, batch, completion_only=self.completion_only_logits
+        )
         nll = -logp_sum.sum()
         return nll / normalizer, {"loss": nll}
 
