@@ -333,14 +333,14 @@ class Trainer:
             *self.summary_lines,
             *(f"  data            {r.summary()}" for r in self.data_reports),
             *(f"  logging         {note}" for note in self.logger.notes),
-            f"  output          {self.output_dir} (metrics.jsonl, config.json, ds_config.json)",
+            f"  output          {self.output_dir} (metrics.jsonl, run_config.json, ds_config.json)",
         ]
         if self._resume_dir is not None:
             lines.append(f"  resumed         from {self._resume_dir} at step {self.step}")
         print("\n".join(lines), flush=True)
 
     def _write_resolved_config(self, directory: Path) -> None:
-        (directory / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        (directory / "run_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         (directory / "ds_config.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
 
     # ------------------------------------------------------------------ training
