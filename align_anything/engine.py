@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import socket
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,15 @@ import torch
 from align_anything.errors import ConfigError
 
 # DeepSpeed prints an INFO line for nearly everything; keep warnings and errors.
-os.environ.setdefault("DS_ACCELERATOR_LOG_LEVEL", "warning")
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+    os.environ["DS_ACCELERATOR"] = "cpu"  # say it rather than have DeepSpeed warn that it guessed
+# DeepSpeed still calls collectives that torch has renamed; the warning is DeepSpeed's to fix.
+warnings.filterwarnings(
+    "ignore",
+    message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    category=FutureWarning,
+)
 
 import deepspeed  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -59,6 +59,16 @@ def rank_micro_batches(
     ]
 
 
+def quiet_library_progress_bars() -> None:
+    """Our progress display is the only one: transformers' per-load bars and datasets' split
+    bars would otherwise print once per rank."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
+
+
 def shard_chunks(
     num_items: int, *, chunk: int, rank: int, world: int
 ) -> Iterator[list[int] | None]:
@@ -167,6 +177,7 @@ class Trainer:
 
     def setup(self) -> None:
         cfg = self.cfg
+        quiet_library_progress_bars()
         # Distributed first: ranks decide data shards, and ZeRO-3 model construction needs it.
         self.dist = eng.setup_distributed()
         seed_everything(cfg.train.seed)
@@ -268,6 +279,9 @@ class Trainer:
         self.eval_rows, eval_report = (
             self.encode(eval_records, split="eval") if eval_records else ([], None)
         )
+        for report, split in ((train_report, "train"), (eval_report, "eval")):
+            if report is not None:
+                report.source = f"{split} split, {report.source}"
         self.data_reports = [r for r in (load_report, train_report, eval_report) if r is not None]
         if not self.train_rows:
             raise UserError(
@@ -328,6 +342,7 @@ class Trainer:
             + (f", offload {' + '.join(offload)}" if offload else "")
             + f" ({Path(cfg.deepspeed_source).name})",
             f"  precision       {self.precision}",
+            f"  ds config       {json.dumps(self.ds_config, separators=(',', ':'))}",
             f"  memory plan     model states ≈ {estimate:.2f} GiB per device "
             f"(mixed-precision Adam, ZeRO-{stage}); now {eng.memory_summary()}",
             *self.summary_lines,
