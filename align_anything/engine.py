@@ -703,6 +703,28 @@ class InferenceEngine:
         get_accelerator().empty_cache()
 
 
+def checkpoint_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from an align_anything checkpoint folder (`…/step-N`), whatever the
+    ZeRO stage and world size it was written with. ZeRO-2/3 partitions are merged by DeepSpeed's
+    own `zero_to_fp32`; stage 0 keeps whole weights in the model-states file."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ds_dir = Path(checkpoint_dir)
+    tag_dir = ds_dir / "deepspeed"
+    if not tag_dir.is_dir():
+        raise ConfigError(
+            f"{checkpoint_dir}: no deepspeed/ folder; not an align_anything checkpoint"
+        )
+    if any(tag_dir.glob("*optim_states.pt")):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag="deepspeed")
+        return {k: v.contiguous() for k, v in state.items()}
+    model_states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    if not model_states:
+        raise ConfigError(f"{tag_dir}: no model states file")
+    module = torch.load(model_states[0], map_location="cpu", weights_only=False)["module"]
+    return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
+
+
 def memory_summary() -> str:
     """Allocated/peak device memory, or the process RSS on CPU."""
     acc = get_accelerator()
