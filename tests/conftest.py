@@ -1,0 +1,257 @@
+"""Shared helpers for tests that run the real entry point in a subprocess.
+
+`launch(...)` starts `align_anything.train` the way a user would (plain `python -m`, the
+deepspeed launcher, or torchrun), offline, with a fresh loopback port per launch and a hard
+timeout that kills the whole process group and fails the test instead of hanging CI.
+
+Runs that several tests read (the single-rank SFT / DPO / RM recipes, the 2-rank DPO runs) are
+session-scoped fixtures here, so test_recipes.py and test_distributed.py share them: each launch
+costs 15-30 s on a CPU runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BIN_DIR = Path(sys.executable).parent
+TINY_MODEL = "tiny-random-llama"
+# One launch normally takes 15-30 s here; a run past this is hung (e.g. a collective waiting on
+# a dead rank) and fails the test.
+DEFAULT_TIMEOUT_S = 240.0
+OUTPUT_TAIL_CHARS = 6000
+LAUNCHERS = ("python", "deepspeed", "torchrun")
+# Variables a surrounding launcher could have set; a child run must not inherit them.
+DIST_ENV_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE",
+)  # fmt: skip
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tail(text: str, chars: int = OUTPUT_TAIL_CHARS) -> str:
+    return text if len(text) <= chars else "…" + text[-chars:]
+
+
+class RunResult(NamedTuple):
+    """What one launch left behind: exit status, stdout+stderr, parsed metrics.jsonl lines."""
+
+    returncode: int
+    output: str
+    metrics: list[dict[str, Any]]
+    output_dir: Path
+
+    def check(self) -> RunResult:
+        """Fail the calling test, with the output tail, unless the run exited 0."""
+        assert self.returncode == 0, (
+            f"run into {self.output_dir} exited {self.returncode}; output tail:\n{tail(self.output)}"
+        )
+        return self
+
+    def train_steps(self) -> list[dict[str, Any]]:
+        """The logged training steps (eval lines carry a "phase" key and are left out)."""
+        return [m for m in self.metrics if "phase" not in m]
+
+    def losses(self) -> list[float]:
+        return [float(m["loss"]) for m in self.train_steps()]
+
+    def eval(self, phase: str) -> dict[str, Any]:
+        found = [m for m in self.metrics if m.get("phase") == phase]
+        assert found, f"no eval line with phase={phase!r} in {self.output_dir / 'metrics.jsonl'}"
+        return found[-1]
+
+    def zero_stage(self) -> int:
+        """The ZeRO stage the engine reports in the start-up summary (what DeepSpeed actually
+        runs, read from `engine.zero_optimization_stage()`, not the preset's number)."""
+        found = re.findall(r"deepspeed\s+ZeRO stage (\d+)", self.output)
+        assert found, f"no 'ZeRO stage N' line in the start-up summary:\n{tail(self.output)}"
+        return int(found[-1])
+
+    def summary_line(self, label: str) -> str:
+        """The start-up summary line that begins with `label` (e.g. "reference")."""
+        found = re.findall(rf"^\s+{re.escape(label)}\s+(.*)$", self.output, flags=re.MULTILINE)
+        assert found, f"no '{label}' line in the start-up summary:\n{tail(self.output)}"
+        return found[-1]
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group this helper started (launcher and ranks), if still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def launch(
+    overrides: list[str],
+    output_dir: Path,
+    *,
+    launcher: str = "python",
+    nproc: int = 1,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    extra_env: dict[str, str] | None = None,
+) -> RunResult:
+    """Run `align_anything.train` with `overrides` (plus `output_dir=...`) in a subprocess.
+
+    `launcher` is "python" (one process, `python -m`), "deepspeed" (`deepspeed --num_gpus N
+    --master_port P --module`) or "torchrun" (`torchrun --nproc_per_node N --master_port P -m`).
+    On timeout the whole process group (launcher and ranks) is killed and the test fails with
+    the output tail. Returns even when the run fails: call `.check()` to require success.
+    """
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    module_args = ["align_anything.train", *overrides, f"output_dir={output_dir}"]
+    if launcher == "python":
+        if nproc != 1:
+            raise ValueError("launcher='python' starts exactly one process")
+        command = [sys.executable, "-m", *module_args]
+    elif launcher == "deepspeed":
+        command = [
+            str(BIN_DIR / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+            "--module", *module_args,
+        ]  # fmt: skip
+    else:
+        command = [
+            str(BIN_DIR / "torchrun"), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), "-m", *module_args,
+        ]  # fmt: skip
+
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        # Output without a terminal: plain progress lines, no colour codes to parse around.
+        NO_COLOR="1",
+    )
+    if nproc > 1:
+        # Ranks share the runner's few cores; more threads per rank only oversubscribe them.
+        env["OMP_NUM_THREADS"] = "1"
+    env.update(extra_env or {})
+
+    # A new session makes the launcher and every rank it starts one process group, so a timeout
+    # can end all of them (killing only the launcher would leave ranks holding the port).
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        output, _ = proc.communicate()
+        pytest.fail(
+            f"run timed out after {timeout_s:.0f} s and was killed: {' '.join(command)}\n"
+            f"output tail:\n{tail(output or '')}",
+            pytrace=False,
+        )
+    except BaseException:
+        # Interrupted (Ctrl-C, pytest-timeout): take the ranks down with us.
+        _kill_group(proc)
+        proc.wait()
+        raise
+    return RunResult(
+        proc.returncode, output, _read_metrics(output_dir / "metrics.jsonl"), output_dir
+    )
+
+
+# ---------------------------------------------------------------------------- shared runs
+
+# Short, deterministic recipe runs: tiny random Llama, CPU fp32, seed 42, 4 optimizer steps of a
+# global batch of 4. Eval is capped to keep the launches fast.
+RECIPE_STEPS = 4
+COMMON = [f"model.name_or_path={TINY_MODEL}", "train.precision=fp32", "train.seed=42"]
+SFT_ARGS = [
+    "task=sft", *COMMON, f"train.max_steps={RECIPE_STEPS}", "data.max_eval_samples=8",
+    # 50x the preset's rate: at 2e-5 four steps barely move a random model's loss, and the
+    # comparisons below should see the optimizer's updates, not only the data order.
+    "train.learning_rate=1e-3",
+]  # fmt: skip
+DPO_ARGS = [
+    "task=dpo", *COMMON, f"train.max_steps={RECIPE_STEPS}", "data.max_eval_samples=8",
+    # A larger rate than the preset's 5e-6, so the loss visibly moves within 4 steps.
+    "train.learning_rate=1e-4",
+]  # fmt: skip
+RM_ARGS = [
+    "task=rm", *COMMON, f"train.max_steps={RECIPE_STEPS}", "data.max_eval_samples=8",
+    "train.learning_rate=1e-4",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="session")
+def sft_single(runs_dir: Path) -> RunResult:
+    """SFT, 1 rank × micro-batch 4, ZeRO-0: the frozen-loss recipe and the 1-rank baseline."""
+    return launch(
+        [*SFT_ARGS, "deepspeed=z0", "train.per_device_batch_size=4"], runs_dir / "sft-1rank"
+    )
+
+
+@pytest.fixture(scope="session")
+def dpo_single(runs_dir: Path) -> RunResult:
+    """DPO (sigmoid, precomputed reference), 1 rank × micro-batch 4, ZeRO-0."""
+    return launch(
+        [*DPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=4"], runs_dir / "dpo-1rank"
+    )
+
+
+@pytest.fixture(scope="session")
+def rm_single(runs_dir: Path) -> RunResult:
+    """Reward model on the built-in pairs, 1 rank × micro-batch 4, ZeRO-0."""
+    return launch(
+        [*RM_ARGS, "deepspeed=z0", "train.per_device_batch_size=4"], runs_dir / "rm-1rank"
+    )
+
+
+@pytest.fixture(scope="session")
+def dpo_two_ranks(runs_dir: Path) -> dict[tuple[str, str], RunResult]:
+    """DPO sigmoid on 2 ranks × micro-batch 2 through the deepspeed launcher, keyed by
+    (preset, reference): every stage with a precomputed reference, and ZeRO-3 with the reference
+    kept as a partitioned model (the path most likely to differ)."""
+    cases = [("z0", "precompute"), ("z2", "precompute"), ("z3", "precompute"), ("z3", "model")]
+    return {
+        (preset, reference): launch(
+            [
+                *DPO_ARGS,
+                f"deepspeed={preset}",
+                f"dpo.reference={reference}",
+                "train.per_device_batch_size=2",
+            ],
+            runs_dir / f"dpo-2rank-{preset}-{reference}",
+            launcher="deepspeed",
+            nproc=2,
+        )
+        for preset, reference in cases
+    }
