@@ -44,10 +44,12 @@ def run(overrides: Sequence[str]) -> None:
     from align_anything.trainers import REGISTRY
 
     trainer = REGISTRY[cfg.task](cfg)
-    trainer.setup()
-    trainer.train()
-    trainer.save()
-    trainer.cleanup()
+    try:
+        trainer.setup()
+        trainer.train()
+        trainer.save()
+    finally:
+        trainer.cleanup()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

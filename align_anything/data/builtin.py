@@ -41,9 +41,6 @@ SEED = 20250601
 PREF_TRAIN_ROWS = 256
 PREF_EVAL_ROWS = 64
 SFT_ROWS = 256
-# share of preference rows whose `rejected` is the right number in the wrong (chatty) format;
-# the rest reject a subtly wrong number in the right format.
-FORMAT_SHARE = 0.5
 
 ANSWER_RE = re.compile(r"Answer: (-?\d+)")
 
@@ -119,23 +116,41 @@ def _unique_questions(rng: random.Random, count: int, seen: set) -> list[tuple]:
     return out
 
 
+# Which `rejected` each preference row gets, in turn per question kind: half reject the chatty
+# style (this is what teaches the format), a quarter a wrong number, a quarter trailing words
+# after the right answer (this is what teaches the model to stop).
+REJECTED_CYCLE = ("format", "wrong", "format", "extra")
+
+
 def _preference_rows(rng: random.Random, questions: list[tuple]) -> list[dict]:
     rows = []
     for index, (key, prompt, answer, wrong, chatty) in enumerate(questions):
-        # alternate the rejected kind per question kind so both kinds see both halves
-        reject_format = (index // len(QUESTION_KINDS)) % round(1 / FORMAT_SHARE) == 0
+        kind = REJECTED_CYCLE[(index // len(QUESTION_KINDS)) % len(REJECTED_CYCLE)]
+        rejected = {
+            "format": chatty,
+            "wrong": preferred_answer(wrong),
+            "extra": preferred_answer(answer) + "." + chatty_tail(key, answer, rng),
+        }[kind]
         rows.append(
             {
                 "prompt": prompt,
                 "chosen": preferred_answer(answer),
-                "rejected": chatty if reject_format else preferred_answer(wrong),
+                "rejected": rejected,
                 "answer": answer,
                 "question": key[0],
-                "kind": "format" if reject_format else "wrong",
+                "kind": kind,
             }
         )
     rng.shuffle(rows)
     return rows
+
+
+def chatty_tail(key: tuple, answer: int, rng: random.Random) -> str:
+    """Words after the answer, which the strict format does not allow."""
+    if key[0] == "larger":
+        other = key[1] + key[2] - answer
+        return rng.choice([f" {answer} is larger than {other}.", " I hope this helps!"])
+    return rng.choice([f" It is {key[1]} + 1.", " I hope this helps!"])
 
 
 def generate(seed: int = SEED) -> dict[str, list[dict]]:

@@ -651,10 +651,15 @@ class Trainer:
         return self.engine.module
 
     def cleanup(self) -> None:
-        if self.logger is not None:
-            self.logger.close()
-        summary = self.final_summary()
-        if self.dist.is_main and summary:
+        """Close sinks, print the summary (after a finished run) and leave the process group;
+        also called after an error, whatever set-up reached."""
+        logger = getattr(self, "logger", None)
+        if logger is not None:
+            logger.close()
+        dist = getattr(self, "dist", None)
+        finished = hasattr(self, "train_seconds")
+        summary = self.final_summary() if finished else ""
+        if dist is not None and dist.is_main and summary:
             print(summary, flush=True)
             (self.output_dir / "summary.json").write_text(
                 json.dumps(self.summary_data(), indent=2) + "\n"
