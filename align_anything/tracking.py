@@ -24,6 +24,27 @@ def _clean(value: Any) -> Any:
     return value
 
 
+BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+def check_backends(backends: Sequence[str]) -> None:
+    """Fail before any compute when a selected logging backend's package is missing."""
+    import importlib.util
+
+    from align_anything.errors import ConfigError
+
+    missing = [
+        name for name in backends
+        if name in BACKEND_PACKAGES and importlib.util.find_spec(BACKEND_PACKAGES[name]) is None
+    ]  # fmt: skip
+    if missing:
+        packages = " ".join(BACKEND_PACKAGES[name] for name in missing)
+        raise ConfigError(
+            f"logging.backends includes {', '.join(missing)} but the package is not installed: "
+            f"pip install {packages} (or pip install -e '.[tracking]'), or drop it from logging.backends"
+        )
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to `output_dir/metrics.jsonl` and forwards the same
     numbers to TensorBoard / wandb when those backends are selected."""

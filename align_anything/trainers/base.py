@@ -27,7 +27,7 @@ from align_anything.config import RunConfig
 from align_anything.data import DataReport, load_records, split_records
 from align_anything.errors import ConfigError, UserError
 from align_anything.losses import IGNORE_INDEX, completion_logps, selected_token_logps
-from align_anything.tracking import MetricsLogger, Progress
+from align_anything.tracking import MetricsLogger, Progress, check_backends
 
 CHECKPOINT_PREFIX = "step-"
 
@@ -177,6 +177,7 @@ class Trainer:
 
     def setup(self) -> None:
         cfg = self.cfg
+        check_backends(cfg.logging.backends)
         quiet_library_progress_bars()
         # Distributed first: ranks decide data shards, and ZeRO-3 model construction needs it.
         self.dist = eng.setup_distributed()
@@ -389,7 +390,8 @@ class Trainer:
         plan = self.batch_plan
         if self.step == 0:
             self._log_eval(self.evaluate(label="before"), "before")
-        progress = Progress(self.total_steps, initial=self.step, enabled=self.dist.is_main)
+        console = self.dist.is_main and "console" in cfg.logging.backends
+        progress = Progress(self.total_steps, initial=self.step, enabled=console)
         self.engine.train()
         window_tokens = 0.0
         window_start = time.perf_counter()
