@@ -27,3 +27,18 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """Return ` (did you mean 'x'?)` for the closest candidate, or an empty string."""
     match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (disk full, unwritable folder). The previous complete
+    checkpoint is untouched."""
+
+
+class Preempted(Exception):  # noqa: N818 (not an error: a requested stop)
+    """The run stopped on SIGTERM/SIGINT after finishing a step and writing a checkpoint. The
+    entry point prints the message and exits with 128 + the signal number (143 for SIGTERM,
+    130 for SIGINT), as a process killed by that signal would."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum

@@ -39,6 +39,7 @@ def strip_launcher_args(argv: Sequence[str]) -> list[str]:
 def run(overrides: Sequence[str]) -> None:
     """Validate the config, then set up, train, export and clean up."""
     from align_anything.config import load_config
+    from align_anything.preemption import StopRequest
 
     cfg = load_config(overrides)  # every config mistake surfaces here, before any import of torch
     from align_anything.trainers import REGISTRY
@@ -46,7 +47,10 @@ def run(overrides: Sequence[str]) -> None:
     trainer = REGISTRY[cfg.task](cfg)
     try:
         trainer.setup()
-        trainer.train()
+        # SIGTERM/SIGINT during the step loop: finish the step, write a checkpoint, stop.
+        with StopRequest(announce=trainer.dist.is_main) as stop:
+            trainer.stop_request = stop
+            trainer.train()
         trainer.save()
     finally:
         trainer.cleanup()
@@ -58,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(USAGE)
         return 0
     bad = [a for a in args if "=" not in a]
-    from align_anything.errors import UserError
+    from align_anything.errors import Preempted, UserError
 
     try:
         if bad:
@@ -71,6 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = "error" if rank == "0" else f"error (rank {rank})"
         print(f"{prefix}: {err}", file=sys.stderr, flush=True)
         return 2
+    except Preempted as stop:
+        if os.environ.get("RANK", "0") == "0":
+            print(str(stop), file=sys.stderr, flush=True)
+        return 128 + stop.signum
     return 0
 
 

@@ -103,21 +103,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def launch(
+def spawn(
     overrides: list[str],
     output_dir: Path,
     *,
     launcher: str = "python",
     nproc: int = 1,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
     extra_env: dict[str, str] | None = None,
-) -> RunResult:
-    """Run `align_anything.train` with `overrides` (plus `output_dir=...`) in a subprocess.
+) -> subprocess.Popen:
+    """Start `align_anything.train` with `overrides` (plus `output_dir=...`) in the background.
 
     `launcher` is "python" (one process, `python -m`), "deepspeed" (`deepspeed --num_gpus N
     --master_port P --module`) or "torchrun" (`torchrun --nproc_per_node N --master_port P -m`).
-    On timeout the whole process group (launcher and ranks) is killed and the test fails with
-    the output tail. Returns even when the run fails: call `.check()` to require success.
+    The launcher and every rank form one new process group (`_kill_group` ends all of them);
+    stdout and stderr are one text pipe.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
@@ -153,7 +152,7 @@ def launch(
 
     # A new session makes the launcher and every rank it starts one process group, so a timeout
     # can end all of them (killing only the launcher would leave ranks holding the port).
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         command,
         cwd=REPO_ROOT,
         env=env,
@@ -163,13 +162,19 @@ def launch(
         errors="replace",
         start_new_session=True,
     )
+
+
+def finish(
+    proc: subprocess.Popen, output_dir: Path, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> RunResult:
+    """Wait for a spawned run; on timeout kill its whole process group and fail the test."""
     try:
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         output, _ = proc.communicate()
         pytest.fail(
-            f"run timed out after {timeout_s:.0f} s and was killed: {' '.join(command)}\n"
+            f"run timed out after {timeout_s:.0f} s and was killed: {' '.join(proc.args)}\n"
             f"output tail:\n{tail(output or '')}",
             pytrace=False,
         )
@@ -181,6 +186,23 @@ def launch(
     return RunResult(
         proc.returncode, output, _read_metrics(output_dir / "metrics.jsonl"), output_dir
     )
+
+
+def launch(
+    overrides: list[str],
+    output_dir: Path,
+    *,
+    launcher: str = "python",
+    nproc: int = 1,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    extra_env: dict[str, str] | None = None,
+) -> RunResult:
+    """Run `align_anything.train` (see `spawn`) and wait for it. On timeout the whole process
+    group (launcher and ranks) is killed and the test fails with the output tail. Returns even
+    when the run fails: call `.check()` to require success.
+    """
+    proc = spawn(overrides, output_dir, launcher=launcher, nproc=nproc, extra_env=extra_env)
+    return finish(proc, output_dir, timeout_s=timeout_s)
 
 
 # ---------------------------------------------------------------------------- shared runs

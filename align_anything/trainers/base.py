@@ -12,6 +12,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -25,8 +26,9 @@ from align_anything import engine as eng
 from align_anything import models
 from align_anything.config import RunConfig
 from align_anything.data import DataReport, load_records, split_records
-from align_anything.errors import ConfigError, UserError
+from align_anything.errors import ConfigError, Preempted, UserError
 from align_anything.losses import IGNORE_INDEX, completion_logps, selected_token_logps
+from align_anything.preemption import StopRequest
 from align_anything.tracking import MetricsLogger, Progress, check_backends
 
 CHECKPOINT_PREFIX = "step-"
@@ -129,6 +131,8 @@ class Trainer:
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.summary_lines: list[str] = []
+        # Set by the entry point while the step loop runs (SIGTERM/SIGINT -> stop after a step).
+        self.stop_request: StopRequest | None = None
 
     # ------------------------------------------------------------------ hooks for subclasses
 
@@ -412,24 +416,31 @@ class Trainer:
             step_lr = (
                 self.engine.learning_rate()
             )  # the rate this step uses (the schedule moves on after it)
-            for batch in micro_batches:
+            for index, batch in enumerate(micro_batches):
                 loss, metric_sums = self.compute_loss(batch, normalizer=normalizer, training=True)
                 self.engine.backward(loss)
-                self.engine.step()
+                if index < len(micro_batches) - 1:
+                    self.engine.step()  # not yet the accumulation boundary: no update
                 for key, value in metric_sums.items():
                     step_sums[key] = step_sums.get(key, 0) + value.detach().double().cpu()
-            self.step += 1
             keys = sorted(step_sums)
             packed = (
                 torch.stack([step_sums[k].reshape(()) for k in keys]) if keys else torch.zeros(0)
             )
             eng.all_reduce_sum(packed)
+            # Checked before the optimizer step, on every rank alike: a non-finite loss never
+            # reaches the weights, and no checkpoint is written after it.
+            if not all(math.isfinite(v) for v in packed.tolist()):
+                self._stop_on_nonfinite(keys, packed.tolist())
+            self.engine.step()
+            self.step += 1
+            grad_norm = self.engine.grad_norm()
+            if grad_norm is not None and not math.isfinite(grad_norm):
+                self._stop_on_nonfinite(["grad_norm"], [grad_norm])
             for key, value in zip(keys, packed.tolist(), strict=True):
                 sums[key] += value
             items_logged += global_items
             window_tokens += global_tokens
-            if not all(math.isfinite(v) for v in packed.tolist()):
-                self._stop_on_nonfinite(keys, packed.tolist())
 
             if self.step % cfg.train.log_every_steps == 0 or self.step == self.total_steps:
                 now = time.perf_counter()
@@ -439,7 +450,7 @@ class Trainer:
                 metrics.update(
                     epoch=self.step / self.steps_per_epoch,
                     learning_rate=step_lr,
-                    grad_norm=self.engine.grad_norm(),
+                    grad_norm=grad_norm,
                     tokens_per_second=window_tokens / elapsed,
                     samples_per_second=items_logged / elapsed
                     if self.count_unit == "samples"
@@ -465,22 +476,64 @@ class Trainer:
                     self.evaluate(label=f"step {self.step}"), f"step {self.step}", progress
                 )
                 self.engine.train()
-            if cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0:
+            saved = bool(cfg.checkpoint.every_steps) and self.step % cfg.checkpoint.every_steps == 0
+            if saved:
                 self.save_checkpoint()
+            signum = self._stop_signal()
+            if signum:
+                progress.close()
+                self._stop_for_signal(signum, already_saved=saved)
         progress.close()
         self.train_seconds = time.perf_counter() - train_start
         self._log_eval(self.evaluate(label="after"), "after")
 
     count_unit: ClassVar[str] = "samples"
 
+    def _stop_signal(self) -> int:
+        """The stop signal any rank received (0: none). Collective, so that every rank stops
+        after the same step even when the signal reached them at different moments."""
+        signum = self.stop_request.signum if self.stop_request is not None else None
+        flag = torch.tensor([float(signum or 0)])
+        eng.all_reduce_max(flag)
+        return int(flag.item())
+
+    def _stop_for_signal(self, signum: int, *, already_saved: bool) -> None:
+        path = self._checkpoint_root() / f"{CHECKPOINT_PREFIX}{self.step}"
+        if not already_saved:
+            path = self.save_checkpoint()
+        raise Preempted(
+            f"stopped by {signal.Signals(signum).name} after step {self.step} of "
+            f"{self.total_steps}: checkpoint {path} is complete. Run the same command with "
+            "resume=auto to continue from it.",
+            signum,
+        )
+
     def _stop_on_nonfinite(self, keys: list[str], values: list[float]) -> None:
+        """Stop the run on a non-finite loss (before its update) or gradient norm (after the
+        update, but before any checkpoint could store it), naming the step and its rows."""
+        before_update = keys != ["grad_norm"]
+        step = self.step + 1 if before_update else self.step
         bad = ", ".join(
             f"{k}={v}" for k, v in zip(keys, values, strict=True) if not math.isfinite(v)
         )
+        epoch, in_epoch = divmod(step - 1, self.steps_per_epoch)
+        rows = step_indices(
+            len(self.train_rows), global_batch=self.batch_plan.global_batch,
+            seed=self.cfg.train.seed, epoch=epoch, step=in_epoch,
+        )  # fmt: skip
+        shown = ", ".join(map(str, rows[:16])) + (", …" if len(rows) > 16 else "")
+        good = self._complete_checkpoints()
+        last = f"the last good checkpoint is {good[-1]}" if good else "no checkpoint was written"
+        applied = (
+            "its update was not applied"
+            if before_update
+            else "its update was applied in memory only: no checkpoint holds it"
+        )
         raise UserError(
-            f"non-finite training metric at step {self.step} ({bad}); stopping. The last good "
-            f"checkpoint (if any) is under {self.output_dir / 'checkpoints'}. Lower "
-            "train.learning_rate or check the data of this step."
+            f"non-finite training {'metric' if before_update else 'gradient norm'} at step "
+            f"{step} (epoch {epoch}, {bad}); stopping: {applied}, and {last}. The step's global "
+            f"batch holds training rows [{shown}] (indices into the encoded train split). Lower "
+            "train.learning_rate, or check those rows."
         )
 
     # ------------------------------------------------------------------ evaluation
