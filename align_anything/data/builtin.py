@@ -8,16 +8,21 @@ The preference data is built so that learning is visible and checkable:
 - Questions are small number questions the model can answer by looking at the prompt: "Which is
   larger, 56 or 20?" and "What number comes after 41?".
 - `chosen` is always the terse, correct answer in one fixed format, `Answer: 56`.
-- `rejected` is one of two things (`kind` says which):
-  - `format`: the same correct number, but in the chatty style SmolLM2-135M-Instruct produces on
-    its own ("To determine which is larger, ... 56 is larger than 20.");
-  - `wrong`: the preferred format with a subtly wrong number (`Answer: 20`, the other number, or
-    an off-by-one successor).
+- `rejected` is one of three things (`kind` says which; see `REJECTED_CYCLE`):
+  - `format` (half): the same correct number, but in the chatty style SmolLM2-135M-Instruct
+    produces on its own ("To determine which is larger, ... 56 is larger than 20.");
+  - `wrong` (a quarter): the preferred format with a subtly wrong number (`Answer: 20`, the
+    other number; or an off-by-one successor);
+  - `extra` (a quarter): the right answer followed by more words (`Answer: 56. I hope this
+    helps!`). Without these the tuned model learns the prefix but stops stopping after it.
 - `has_preferred_property(row, generated)` is the generation check: the greedy answer must be
   exactly `Answer: <the right number>`. The untrained model never answers in that format, so a
   rise in that share after training is learning, not prior behaviour.
 
-Held-out evaluation prompts (`arith-pref-eval`) never appear in the training file.
+Files: `arith-pref` (96 rows: 12 steps of 8 pairs is one epoch), the held-out `arith-pref-eval`
+(64 rows; its questions appear in no other file) and `arith-sft` (256 conversations whose
+assistant turn is the preferred answer, for the `task=sft` default). Why this design and these
+sizes: experiments/dpo_default_feasibility.py and its measurements.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ BUILTIN_DATASETS: dict[str, str] = {
 }
 
 SEED = 20250601
-PREF_TRAIN_ROWS = 256
+PREF_TRAIN_ROWS = 96  # 12 steps of 8 pairs: one epoch is the default run
 PREF_EVAL_ROWS = 64
 SFT_ROWS = 256
 
