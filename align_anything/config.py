@@ -86,6 +86,8 @@ class CheckpointConfig(_Section):
     every_steps: int = Field(0, ge=0)
     keep_last: int = Field(2, ge=1)
     save_final: bool = True
+    # Resume even if the model, tokenizer or training data differ from the checkpoint's.
+    allow_mismatch: bool = False
 
 
 class SFTSection(_Section):

@@ -110,17 +110,19 @@ def spawn(
     launcher: str = "python",
     nproc: int = 1,
     extra_env: dict[str, str] | None = None,
+    module: str = "align_anything.train",
 ) -> subprocess.Popen:
     """Start `align_anything.train` with `overrides` (plus `output_dir=...`) in the background.
 
     `launcher` is "python" (one process, `python -m`), "deepspeed" (`deepspeed --num_gpus N
     --master_port P --module`) or "torchrun" (`torchrun --nproc_per_node N --master_port P -m`).
     The launcher and every rank form one new process group (`_kill_group` ends all of them);
-    stdout and stderr are one text pipe.
+    stdout and stderr are one text pipe. `module` replaces the entry point (a test's wrapper
+    that patches something, then calls `align_anything.train.main`).
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
-    module_args = ["align_anything.train", *overrides, f"output_dir={output_dir}"]
+    module_args = [module, *overrides, f"output_dir={output_dir}"]
     if launcher == "python":
         if nproc != 1:
             raise ValueError("launcher='python' starts exactly one process")
@@ -196,12 +198,15 @@ def launch(
     nproc: int = 1,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     extra_env: dict[str, str] | None = None,
+    module: str = "align_anything.train",
 ) -> RunResult:
     """Run `align_anything.train` (see `spawn`) and wait for it. On timeout the whole process
     group (launcher and ranks) is killed and the test fails with the output tail. Returns even
     when the run fails: call `.check()` to require success.
     """
-    proc = spawn(overrides, output_dir, launcher=launcher, nproc=nproc, extra_env=extra_env)
+    proc = spawn(
+        overrides, output_dir, launcher=launcher, nproc=nproc, extra_env=extra_env, module=module
+    )
     return finish(proc, output_dir, timeout_s=timeout_s)
 
 
@@ -277,3 +282,14 @@ def dpo_two_ranks(runs_dir: Path) -> dict[tuple[str, str], RunResult]:
         )
         for preset, reference in cases
     }
+
+
+def copy_tiny_model(dest: Path) -> Path:
+    """A local folder copy of the built-in tiny model (weights, config, tokenizer, template), for
+    tests that alter one of its files."""
+    import shutil
+
+    from align_anything.models import resolve_model_path
+
+    shutil.copytree(resolve_model_path(TINY_MODEL), dest)
+    return dest

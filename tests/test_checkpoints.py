@@ -4,6 +4,7 @@ and `align_anything.export` / `align_anything.score` reproduce what training saw
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, REPO_ROOT, RunResult, launch
+from conftest import COMMON, REPO_ROOT, RunResult, copy_tiny_model, launch
 from safetensors.torch import load_file
 
 STEPS = 4
@@ -124,3 +125,42 @@ def test_score_command_matches_the_model(rm_single: RunResult, tmp_path: Path) -
             expected = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
         # Batched with padding (3 rows of different lengths) = one sequence alone.
         assert result["score"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_resume_refuses_different_data(z2_run: RunResult, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(z2_run.output_dir, run_dir)
+    result = launch([*SFT_CHECKPOINTED, "deepspeed=z2", "resume=auto",
+                     "data.max_train_samples=200"], run_dir)  # fmt: skip
+    assert result.returncode == 2
+    assert f"resume from {run_dir / 'checkpoints' / 'step-4'} refused" in result.output
+    assert "training data (encoded rows of data.path; checkpoint: 'arith-sft'" in result.output
+    assert "checkpoint.allow_mismatch=true" in result.output
+    assert "model.name_or_path" not in result.output.split("refused")[1]  # only what changed
+
+
+def test_resume_refuses_a_different_model_and_tokenizer_unless_allowed(
+    z2_run: RunResult, tmp_path: Path
+) -> None:
+    model = copy_tiny_model(tmp_path / "model")
+    template = model / "chat_template.jinja"
+    template.write_text(template.read_text().replace("<|im_start|>", "<|im_start|> "))
+    run_dir = tmp_path / "run"
+    shutil.copytree(z2_run.output_dir, run_dir)
+    args = [*SFT_CHECKPOINTED, "deepspeed=z2", "resume=auto", f"model.name_or_path={model}"]
+    refused = launch(args, run_dir)
+    assert refused.returncode == 2
+    assert f"model.name_or_path: checkpoint 'tiny-random-llama', this run '{model}'" in (
+        refused.output
+    )
+    assert "tokenizer (vocabulary, special tokens or chat template): checkpoint '" in (
+        refused.output
+    )
+    assert "training data" in refused.output  # the template changes every encoded row
+    allowed = launch([*args, "checkpoint.allow_mismatch=true", "train.max_steps=5"], run_dir)
+    allowed.check()
+    assert "warning: resuming from" in allowed.output and _printed(allowed) == [5]
+
+
+def _printed(result: RunResult) -> list[int]:
+    return [int(s) for s in re.findall(r"^step (\d+)/", result.output, flags=re.MULTILINE)]

@@ -238,3 +238,52 @@ def test_diverging_loss_stops_with_the_step_named_and_no_checkpoint_after_it(
     assert bad_step not in _logged_steps(run_dir)
     assert not (run_dir / "final").exists()
     assert "Traceback" not in result.output
+
+
+FAILING_SAVE = '''"""Entry point whose second checkpoint write fails like a full disk, half-way through."""
+import errno
+import sys
+
+from align_anything import engine
+from align_anything.train import main
+
+original = engine.Engine.save_checkpoint
+calls = []
+
+
+def save_checkpoint(self, directory, client_state):
+    calls.append(directory)
+    if len(calls) < 2:
+        return original(self, directory, client_state)
+    partial = directory / "deepspeed" / "mp_rank_00_model_states.pt"
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_bytes(b"\\0" * 4096)
+    raise OSError(errno.ENOSPC, "No space left on device", str(partial))
+
+
+engine.Engine.save_checkpoint = save_checkpoint
+sys.exit(main())
+'''
+
+
+def test_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    """Disk full during the second save (simulated in DeepSpeed's write, the step where the big
+    files go): a clear error, exit 2, no half-written folder left, and step-2 still resumes."""
+    (tmp_path / "failing_save.py").write_text(FAILING_SAVE)
+    run_dir = tmp_path / "run"
+    args = [
+        "task=sft", *COMMON, "train.max_steps=6", "data.max_eval_samples=4", "deepspeed=z0",
+        "train.per_device_batch_size=2", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
+    ]  # fmt: skip
+    failed = launch(args, run_dir, module="failing_save", extra_env={"PYTHONPATH": str(tmp_path)})
+    assert failed.returncode == 2, tail(failed.output)
+    step2 = run_dir / "checkpoints" / "step-2"
+    assert (
+        f"error: could not write checkpoint step-4 (step 4): No space left on device "
+        f"({run_dir / 'checkpoints' / '.tmp-step-4' / 'deepspeed' / 'mp_rank_00_model_states.pt'})"
+        f"; the previous checkpoint {step2} is intact." in failed.output
+    ), tail(failed.output)
+    assert "Traceback" not in failed.output
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
+    resumed = launch([*args, "resume=auto", "train.max_steps=3"], run_dir).check()
+    assert _resumed_from(resumed) == 2 and _printed_steps(resumed) == [3]

@@ -6,6 +6,7 @@ A trainer subclass adds only its data encoding and its batch -> loss function
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import math
@@ -26,7 +27,7 @@ from align_anything import engine as eng
 from align_anything import models
 from align_anything.config import RunConfig
 from align_anything.data import DataReport, load_records, split_records
-from align_anything.errors import ConfigError, Preempted, UserError
+from align_anything.errors import CheckpointWriteError, ConfigError, Preempted, UserError
 from align_anything.losses import IGNORE_INDEX, completion_logps, selected_token_logps
 from align_anything.preemption import StopRequest
 from align_anything.tracking import MetricsLogger, Progress, check_backends
@@ -59,6 +60,12 @@ def rank_micro_batches(
     return [
         indices[(m * world + rank) * micro : (m * world + rank + 1) * micro] for m in range(accum)
     ]
+
+
+def _hash_array(value: Any) -> str:
+    """JSON stand-in for a tensor or array inside an encoded row (media features)."""
+    array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    return hashlib.sha256(array.tobytes()).hexdigest()
 
 
 def quiet_library_progress_bars() -> None:
@@ -196,6 +203,8 @@ class Trainer:
         )
         # Data before weights: a bad dataset fails in seconds, not after a model load.
         self._build_data()
+        # Hashed now, as encoded: trainers may add to the rows later (DPO reference log-probs).
+        self._fingerprints()
         self.ds_config, self.batch_plan, self.precision = eng.resolve_ds_config(
             cfg.deepspeed,
             world_size=self.dist.world_size,
@@ -214,6 +223,8 @@ class Trainer:
         )
         self._plan_steps()
         self._resume_dir = self._find_resume_dir()
+        if self._resume_dir is not None:
+            self._check_resume_compatible(self._resume_dir)  # before the (slow) model load
         with eng.model_init_context(self.ds_config):
             model = self.build_model()
         self.engine = eng.Engine(
@@ -630,10 +641,32 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Write `checkpoints/step-N` under a temporary name, rename when complete, then prune
-        old ones: a crash mid-save never damages the last good checkpoint."""
+        old ones: a crash mid-save never damages the last good checkpoint. A failed write (disk
+        full, unwritable folder) stops the run with a UserError naming the file; on several
+        ranks the failing rank exits and the launcher ends the others."""
         root = self._checkpoint_root()
         final = root / f"{CHECKPOINT_PREFIX}{self.step}"
         tmp = root / f".tmp-{CHECKPOINT_PREFIX}{self.step}"
+        try:
+            self._write_checkpoint(tmp, final)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)  # give back whatever space it took
+            good = [p for p in self._complete_checkpoints() if p != final]
+            kept = (
+                f"the previous checkpoint {good[-1]} is intact" if good else "no earlier checkpoint"
+            )
+            raise CheckpointWriteError(
+                f"could not write checkpoint {final.name} (step {self.step}): {err.strerror or err}"
+                f"{f' ({err.filename})' if err.filename else ''}; {kept}. Free space or make "
+                f"{root} writable, then run again with resume=auto."
+            ) from None
+        if self.dist.is_main:  # only once the new one is complete
+            for old in self._complete_checkpoints()[: -self.cfg.checkpoint.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        eng.barrier()
+        return final
+
+    def _write_checkpoint(self, tmp: Path, final: Path) -> None:
         if self.dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -657,23 +690,66 @@ class Trainer:
                 "world_size": self.dist.world_size,
                 "task": self.task,
                 "model": self.cfg.model.name_or_path,
+                **self._fingerprints(),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            for old in self._complete_checkpoints()[: -self.cfg.checkpoint.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        eng.barrier()
-        return final
 
-    def _load_checkpoint(self, directory: Path) -> None:
+    def _fingerprints(self) -> dict[str, str]:
+        """Hashes that tell whether a resumed run trains on what the checkpoint saw: the
+        tokenizer (vocabulary, special tokens, chat template) and the encoded training rows."""
+        if not hasattr(self, "_fingerprint_cache"):
+            tokenizer = hashlib.sha256()
+            tokenizer.update(json.dumps(sorted(self.tokenizer.get_vocab().items())).encode())
+            tokenizer.update(json.dumps(self.tokenizer.special_tokens_map, sort_keys=True).encode())
+            tokenizer.update(str(getattr(self.tokenizer, "chat_template", None)).encode())
+            data = hashlib.sha256()
+            for row in self.train_rows:
+                data.update(json.dumps(row, sort_keys=True, default=_hash_array).encode())
+            self._fingerprint_cache = {
+                "data_path": self.cfg.data.path,
+                "tokenizer_fingerprint": tokenizer.hexdigest()[:16],
+                "data_fingerprint": data.hexdigest()[:16],
+            }
+        return self._fingerprint_cache
+
+    def _check_resume_compatible(self, directory: Path) -> None:
+        """Refuse a resume that would silently train something else than the checkpoint did."""
         state = json.loads((directory / "trainer_state.json").read_text())
         if state.get("global_batch") != self.batch_plan.global_batch:
             raise ConfigError(
                 f"checkpoint {directory} was trained with global batch {state.get('global_batch')}, "
                 f"this run has {self.batch_plan.global_batch}: the data order would differ"
             )
+        now = {"model": self.cfg.model.name_or_path, **self._fingerprints()}
+        what = {
+            "model": "model.name_or_path",
+            "tokenizer_fingerprint": "tokenizer (vocabulary, special tokens or chat template)",
+            "data_fingerprint": f"training data (encoded rows of data.path; checkpoint: "
+            f"{state.get('data_path')!r}, this run: {now['data_path']!r})",
+        }
+        changed = [
+            f"  - {label}: checkpoint {state[key]!r}, this run {now[key]!r}"
+            for key, label in what.items()
+            if key in state and state[key] != now[key]  # older checkpoints lack fingerprints
+        ]
+        if not changed:
+            return
+        if self.cfg.checkpoint.allow_mismatch:
+            if self.dist.is_main:
+                print(f"warning: resuming from {directory} although:\n" + "\n".join(changed))
+            return
+        raise ConfigError(
+            f"resume from {directory} refused: this run differs from the checkpoint's\n"
+            + "\n".join(changed)
+            + "\nSet checkpoint.allow_mismatch=true to resume anyway, or start fresh "
+            "(resume=null, or another output_dir)."
+        )
+
+    def _load_checkpoint(self, directory: Path) -> None:
+        state = json.loads((directory / "trainer_state.json").read_text())
         self.engine.load_checkpoint(directory)
         self.step = int(state["step"])
         rng_file = directory / f"rng_state_rank{self.dist.rank}.pt"
