@@ -287,3 +287,32 @@ def test_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path: Path) -
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
     resumed = launch([*args, "resume=auto", "train.max_steps=3"], run_dir).check()
     assert _resumed_from(resumed) == 2 and _printed_steps(resumed) == [3]
+
+
+def test_a_rank_that_dies_ends_the_run_quickly_and_is_named(tmp_path: Path) -> None:
+    """SIGKILL one rank of a 2-rank run (as the kernel's OOM killer would). The survivor's next
+    collective fails at once (gloo sees the closed connection; a hung peer would instead hit the
+    process-group timeout), and the deepspeed launcher, which polls its ranks every second,
+    terminates the rest (SIGKILL after 30 s at most) and names the failed rank's command."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = spawn(
+        [*SFT, "train.max_steps=500", "train.per_device_batch_size=1", "checkpoint.every_steps=0"],
+        run_dir, launcher="deepspeed", nproc=2,
+    )  # fmt: skip
+    _wait_for_step(proc, run_dir, 1)
+    ranks = [
+        p for p in psutil.Process(proc.pid).children(recursive=True)
+        if "--local_rank=1" in p.cmdline()
+    ]  # fmt: skip
+    assert len(ranks) == 1
+    killed_at = time.monotonic()
+    ranks[0].kill()
+    result = finish(proc, run_dir, timeout_s=120)
+    took = time.monotonic() - killed_at
+    assert result.returncode != 0
+    assert took < 45, f"the run took {took:.0f} s to end after a rank died"
+    assert re.search(r"'--local_rank=1'.*exits with return code = -9", result.output), tail(
+        result.output
+    )
