@@ -15,6 +15,7 @@ never silently trained on; problems with the file itself raise `DataError` befor
 from __future__ import annotations
 
 import difflib
+import logging
 import random
 import re
 from collections.abc import Mapping, Sequence
@@ -134,6 +135,11 @@ def _is_no_rows_error(exc: BaseException) -> bool:
 def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what: str):
     import datasets
 
+    # datasets logs an ERROR line of its own for an unreadable JSON/parquet file before raising; the
+    # DataError below says it once, naming the file.
+    builder_logger = logging.getLogger("datasets.packaged_modules")
+    level = builder_logger.level
+    builder_logger.setLevel(logging.CRITICAL)
     try:
         dataset = datasets.load_dataset(builder, data_files=data_files, split=split)
     except Exception as exc:
@@ -144,6 +150,8 @@ def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what
         raise DataError(
             f"{what} cannot be read as {builder.upper()}: {type(root).__name__}: {detail}"
         ) from exc
+    finally:
+        builder_logger.setLevel(level)
     if len(dataset) == 0:
         raise DataError(f"{what} is empty: it holds no data rows")
     return dataset
