@@ -103,6 +103,9 @@ class DPOSection(_Section):
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5)
     simpo_gamma: float = 0.5
     orpo_lambda: float = Field(0.1, ge=0.0)
+    # Weight of a negative log-likelihood term on the chosen completion (token mean), added to
+    # the preference loss: RPO (Pang et al. 2024), TRL's `rpo_alpha`. 0 disables it.
+    rpo_alpha: float = Field(0.0, ge=0.0)
     # model: a frozen reference model beside the policy (ZeRO-3: a partitioned inference engine);
     # precompute: one no-grad pass over the data before training, then the reference is freed.
     reference: Literal["model", "precompute"] = "precompute"

@@ -183,9 +183,13 @@ class DPOTrainer(Trainer):
             simpo_gamma=cfg.simpo_gamma,
             orpo_lambda=cfg.orpo_lambda,
         )
+        losses = out.losses
+        if cfg.rpo_alpha:
+            chosen_nll = -chosen / counts[:half].clamp(min=1)
+            losses = losses + cfg.rpo_alpha * chosen_nll
         margins = out.chosen_rewards - out.rejected_rewards
         metrics = {
-            "loss": out.losses.detach().sum(),
+            "loss": losses.detach().sum(),
             "rewards/chosen": out.chosen_rewards.sum(),
             "rewards/rejected": out.rejected_rewards.sum(),
             "rewards/accuracies": (margins > 0).float().sum(),
@@ -193,7 +197,9 @@ class DPOTrainer(Trainer):
             "logps/chosen": chosen.detach().sum(),
             "logps/rejected": rejected.detach().sum(),
         }
-        return out.losses.sum() / normalizer, metrics
+        if cfg.rpo_alpha:
+            metrics["nll_loss"] = chosen_nll.detach().sum()
+        return losses.sum() / normalizer, metrics
 
     def _metric_keys(self) -> list[str]:
         return ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",
