@@ -132,17 +132,29 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks (in place and returned); a no-op on one rank."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+def _all_reduce(tensor: torch.Tensor, op: Any) -> torch.Tensor:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tensor
+    device = _DIST.device if _DIST is not None else tensor.device
+    if tensor.device != device and _DIST is not None and _DIST.backend != "gloo":
+        # NCCL and friends reduce device tensors only; the trainers keep small counters on CPU.
+        moved = tensor.to(device)
+        dist.all_reduce(moved, op=op)
+        tensor.copy_(moved.to(tensor.device))
+    else:
+        dist.all_reduce(tensor, op=op)
     return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (in place and returned); a no-op on one rank. CPU tensors are
+    fine under every backend."""
+    return _all_reduce(tensor, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
+    """Maximum of a tensor over ranks (in place and returned)."""
+    return _all_reduce(tensor, dist.ReduceOp.MAX)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

@@ -255,8 +255,8 @@ def test_explicit_keys_record_command_line_keys() -> None:
     cfg = load_config(["task=dpo", "train.learning_rate=3e-4", "data.max_length=64"])
     assert cfg.explicit_keys == frozenset({"train.learning_rate", "data.max_length"})
     assert cfg.train.learning_rate == 3e-4
-    # Values from the task file are defaults, not explicit.
-    assert cfg.train.per_device_batch_size == 4
+    # Values from the task file are defaults, not explicit (dpo.yaml sets 8 pairs per device).
+    assert cfg.train.per_device_batch_size == 8
     assert "train.per_device_batch_size" not in cfg.explicit_keys
 
 
