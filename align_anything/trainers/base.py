@@ -223,8 +223,12 @@ class Trainer:
         )
         self._plan_steps()
         self._resume_dir = self._find_resume_dir()
+        self._resume_universal: str | None = None
         if self._resume_dir is not None:
             self._check_resume_compatible(self._resume_dir)  # before the (slow) model load
+            self._resume_universal = self._resume_topology_change(self._resume_dir)
+            if self._resume_universal:
+                eng.convert_to_universal(self._resume_dir)
         with eng.model_init_context(self.ds_config):
             model = self.build_model()
         self.engine = eng.Engine(
@@ -237,6 +241,7 @@ class Trainer:
             schedule=cfg.train.lr_scheduler,
             total_steps=self.total_steps,
             warmup_steps=math.ceil(cfg.train.warmup_ratio * self.total_steps),
+            load_universal=bool(self._resume_universal),
         )
         self.completion_only_logits = cfg.train.completion_only_logits and supports_logits_to_keep(
             self.engine.module
@@ -368,6 +373,10 @@ class Trainer:
         ]
         if self._resume_dir is not None:
             lines.append(f"  resumed         from {self._resume_dir} at step {self.step}")
+            if self._resume_universal:
+                lines.append(
+                    f"                  via a universal checkpoint: {self._resume_universal}"
+                )
         print("\n".join(lines), flush=True)
 
     def _write_resolved_config(self, directory: Path) -> None:
@@ -688,6 +697,7 @@ class Trainer:
                 "epoch": self.step / self.steps_per_epoch,
                 "global_batch": self.batch_plan.global_batch,
                 "world_size": self.dist.world_size,
+                "zero_stage": self.engine.zero_stage,
                 "task": self.task,
                 "model": self.cfg.model.name_or_path,
                 **self._fingerprints(),
@@ -747,6 +757,34 @@ class Trainer:
             + "\nSet checkpoint.allow_mismatch=true to resume anyway, or start fresh "
             "(resume=null, or another output_dir)."
         )
+
+    def _resume_topology_change(self, directory: Path) -> str | None:
+        """None when the checkpoint loads as written (same ZeRO stage and world size, or ZeRO-0
+        on both sides, whose checkpoint holds whole weights and optimizer state); otherwise a
+        description of the change, which resumes through DeepSpeed's universal checkpoint.
+        The global batch is the same (checked before), so the data order is too."""
+        state = json.loads((directory / "trainer_state.json").read_text())
+        source_stage = state.get("zero_stage")
+        if source_stage is None:  # written before trainer_state recorded the stage
+            source_stage = eng.checkpoint_zero_stage(directory) or 0
+        source_world = int(state.get("world_size", self.dist.world_size))
+        stage, world = eng.zero_stage_of(self.ds_config), self.dist.world_size
+        if (source_stage, source_world) == (stage, world) or source_stage == stage == 0:
+            return None
+        change = f"ZeRO-{source_stage} on {source_world} rank(s) -> ZeRO-{stage} on {world} rank(s)"
+        if source_stage == 0:
+            raise ConfigError(
+                f"cannot resume {directory} ({change}): a ZeRO-0 checkpoint has no ZeRO "
+                "optimizer-state files, which the conversion to DeepSpeed's universal checkpoint "
+                "needs. Cross-stage resume needs a ZeRO-1/2/3 checkpoint; resume this one with "
+                "a ZeRO-0 preset (any world size), or export its weights and start anew."
+            )
+        if stage == 0:
+            raise ConfigError(
+                f"cannot resume {directory} ({change}): DeepSpeed loads a universal checkpoint "
+                "only into a ZeRO-1/2/3 engine. Resume with deepspeed=z2 or z3 (or a ZeRO-1 preset)."
+            )
+        return change
 
     def _load_checkpoint(self, directory: Path) -> None:
         state = json.loads((directory / "trainer_state.json").read_text())

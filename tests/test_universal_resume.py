@@ -1,0 +1,73 @@
+"""Resume under another ZeRO stage or world size through DeepSpeed's universal checkpoint.
+
+The global batch stays the same, so the data order does too (`step_indices` depends only on
+seed, epoch and step); the losses after the resume then equal the uninterrupted run's as long
+as weights, Adam moments and step count, and the LR schedule all carry over.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import COMMON, RunResult, launch
+
+SFT = [
+    "task=sft", *COMMON, "train.max_steps=4", "data.max_eval_samples=8",
+    "train.learning_rate=1e-3", "checkpoint.every_steps=2", "checkpoint.keep_last=2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def z2_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """SFT under ZeRO-2 on 2 ranks × micro-batch 1 (global batch 2), 4 steps, checkpoints at
+    steps 2 and 4: the uninterrupted reference and the source checkpoint."""
+    return launch(
+        [*SFT, "deepspeed=z2", "train.per_device_batch_size=1"],
+        tmp_path_factory.mktemp("uc") / "z2-2ranks",
+        launcher="deepspeed",
+        nproc=2,
+    ).check()
+
+
+def test_z2_two_ranks_resumes_as_z3_one_rank(z2_two_ranks: RunResult, tmp_path: Path) -> None:
+    step2 = z2_two_ranks.output_dir / "checkpoints" / "step-2"
+    state = json.loads((step2 / "trainer_state.json").read_text())
+    assert (state["zero_stage"], state["world_size"], state["global_batch"]) == (2, 2, 2)
+    resumed = launch(
+        [*SFT, "deepspeed=z3", "train.per_device_batch_size=2", f"resume={step2}"],
+        tmp_path / "z3-1rank",
+    ).check()
+    assert resumed.zero_stage() == 3
+    assert "via a universal checkpoint: ZeRO-2 on 2 rank(s) -> ZeRO-3 on 1 rank(s)" in (
+        resumed.output
+    )
+    assert (step2 / "universal" / "zero").is_dir()  # converted once, next to deepspeed/
+    assert not list(step2.glob(".tmp-*"))
+    assert [m["step"] for m in resumed.train_steps()] == [3, 4]
+    expected, got = z2_two_ranks.losses()[2:], resumed.losses()
+    # Measured: |diff| 5e-7 at step 3 and 1.9e-5 at step 4 (fp32 on CPU; ZeRO-3 on one rank
+    # sums in another order than ZeRO-2 on two). Weights mis-restored show at step 3 already
+    # (10.83 instead of 10.52 before the slice-mapping fix in engine.py). That lost Adam moments
+    # would exceed 1e-4 at step 4 is expected (a fresh-moment update is ~lr·sign(g)), not
+    # measured here.
+    assert got == pytest.approx(expected, rel=0, abs=1e-4), (got, expected)
+    lrs = [m["learning_rate"] for m in resumed.train_steps()]
+    assert lrs == pytest.approx(
+        [m["learning_rate"] for m in z2_two_ranks.train_steps()[2:]], rel=1e-9
+    )
+
+
+def test_a_zero0_checkpoint_cannot_change_stage(tmp_path: Path) -> None:
+    source = launch(
+        [*SFT, "deepspeed=z0", "train.per_device_batch_size=2", "train.max_steps=2"],
+        tmp_path / "z0",
+    ).check()
+    step2 = source.output_dir / "checkpoints" / "step-2"
+    result = launch(
+        [*SFT, "deepspeed=z2", "train.per_device_batch_size=2", f"resume={step2}"],
+        tmp_path / "z2",
+    )
+    assert result.returncode == 2
+    assert "Cross-stage resume needs a ZeRO-1/2/3 checkpoint" in result.output
