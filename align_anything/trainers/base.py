@@ -476,6 +476,8 @@ class Trainer:
                     if self.count_unit == "samples"
                     else None,
                     elapsed_seconds=now - train_start,
+                    # fp16's dynamic loss scaler skips steps whose gradients overflowed.
+                    skipped_steps=self.engine.skipped_steps() if self.precision == "fp16" else None,
                 )
                 metrics = {k: v for k, v in metrics.items() if v is not None}
                 self.history.append({"step": self.step, **metrics})
