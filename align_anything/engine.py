@@ -661,17 +661,6 @@ def gather_state_dict(module: torch.nn.Module, stage: int) -> dict[str, torch.Te
     return state if rank == 0 else None
 
 
-@contextlib.contextmanager
-def gathered_parameters(module: torch.nn.Module, stage: int) -> Iterator[None]:
-    """Make all of a module's parameters whole on every rank for the duration (read-only);
-    for generation with small models under ZeRO-3. A no-op for other stages."""
-    if stage != 3:
-        yield
-        return
-    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        yield
-
-
 class InferenceEngine:
     """A frozen model (e.g. the DPO reference) without gradients or optimizer state.
 
@@ -945,15 +934,6 @@ def memory_summary() -> str:
 
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return f"peak RSS {peak_kib / 2**20:.2f} GiB"
-
-
-def peak_memory_gib() -> float:
-    acc = get_accelerator()
-    if acc.device_name() == "cuda":
-        return acc.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def estimate_model_state_memory(
