@@ -39,6 +39,16 @@ DIST_ENV_VARS = (
 )  # fmt: skip
 
 
+@pytest.fixture
+def in_process_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests that call the entry point in-process: hub offline, no inherited rank
+    variables (the run must create its own one-process group)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for name in DIST_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

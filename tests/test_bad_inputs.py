@@ -20,12 +20,8 @@ from align_anything.train import main
 TINY = "model.name_or_path=tiny-random-llama"
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+# Hub offline and no inherited rank variables (fixture in conftest.py).
+pytestmark = pytest.mark.usefixtures("in_process_offline")
 
 
 def _conversation(user: str, assistant: str) -> dict:
