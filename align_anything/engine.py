@@ -200,6 +200,16 @@ def device_type() -> str:
 
 
 @dataclass(frozen=True)
+class AdamSettings:
+    """AdamW hyper-parameters: fill the preset's optimizer "auto"s and build our optimizer."""
+
+    learning_rate: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     micro_batch: int
     grad_accum: int
@@ -314,10 +324,7 @@ def resolve_ds_config(
     grad_accum: int | str,
     global_batch: int | str,
     max_grad_norm: float,
-    learning_rate: float,
-    adam_betas: tuple[float, float],
-    adam_eps: float,
-    weight_decay: float,
+    adam: AdamSettings,
     explicit: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Any], BatchPlan, str]:
     """Fill every "auto" in a preset exactly once; returns (resolved config, batch plan, precision).
@@ -380,10 +387,10 @@ def resolve_ds_config(
     if isinstance(optimizer, dict):
         params = optimizer.setdefault("params", {})
         for key, value in {
-            "lr": learning_rate,
-            "betas": list(adam_betas),
-            "eps": adam_eps,
-            "weight_decay": weight_decay,
+            "lr": adam.learning_rate,
+            "betas": list(adam.betas),
+            "eps": adam.eps,
+            "weight_decay": adam.weight_decay,
         }.items():
             if params.get(key) == AUTO:
                 params[key] = value
@@ -453,10 +460,7 @@ def _build_optimizer(
     model: torch.nn.Module,
     ds_config: dict[str, Any],
     *,
-    learning_rate: float,
-    adam_betas: tuple[float, float],
-    adam_eps: float,
-    weight_decay: float,
+    adam: AdamSettings,
 ) -> torch.optim.Optimizer | None:
     """DeepSpeed's CPU Adam when the optimizer is offloaded, fused Adam on CUDA, torch AdamW on
     CPU. None when the preset has its own `optimizer` block (DeepSpeed builds it)."""
@@ -470,11 +474,11 @@ def _build_optimizer(
         ndim = len(getattr(param, "ds_shape", param.shape))
         (no_decay if ndim < 2 or "norm" in name.lower() else decay).append(param)
     groups = [
-        {"params": decay, "weight_decay": weight_decay},
+        {"params": decay, "weight_decay": adam.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    kwargs = dict(lr=learning_rate, betas=adam_betas, eps=adam_eps)
+    kwargs = dict(lr=adam.learning_rate, betas=adam.betas, eps=adam.eps)
     if offloads_optimizer(ds_config):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -511,10 +515,7 @@ class Engine:
         model: torch.nn.Module,
         ds_config: dict[str, Any],
         *,
-        learning_rate: float,
-        adam_betas: tuple[float, float],
-        adam_eps: float,
-        weight_decay: float,
+        adam: AdamSettings,
         schedule: str,
         total_steps: int,
         warmup_steps: int,
@@ -529,10 +530,7 @@ class Engine:
         optimizer = _build_optimizer(
             model,
             ds_config,
-            learning_rate=learning_rate,
-            adam_betas=adam_betas,
-            adam_eps=adam_eps,
-            weight_decay=weight_decay,
+            adam=adam,
         )
         factor = lr_lambda(schedule, total_steps=total_steps, warmup_steps=warmup_steps)
 

@@ -48,7 +48,7 @@ def find_auto(node: Any, path: str = "") -> list[str]:
 
 
 def resolve(preset: dict[str, Any], **overrides: Any) -> tuple[dict[str, Any], Any, str]:
-    from align_anything.engine import resolve_ds_config
+    from align_anything.engine import AdamSettings, resolve_ds_config
 
     kwargs: dict[str, Any] = dict(
         world_size=1,
@@ -59,10 +59,7 @@ def resolve(preset: dict[str, Any], **overrides: Any) -> tuple[dict[str, Any], A
         grad_accum=3,
         global_batch="auto",
         max_grad_norm=0.7,
-        learning_rate=3e-4,
-        adam_betas=(0.8, 0.95),
-        adam_eps=1e-7,
-        weight_decay=0.01,
+        adam=AdamSettings(3e-4, (0.8, 0.95), 1e-7, 0.01),
         explicit=frozenset(),
     )
     kwargs.update(overrides)
@@ -100,6 +97,7 @@ def test_preset_works_unchanged_in_hf_trainer(
     import torch
     from transformers import TrainingArguments
 
+    from align_anything.engine import AdamSettings
     from align_anything.models import load_config as load_model_config
 
     preset = json.loads(preset_file.read_text())
@@ -159,10 +157,7 @@ def test_preset_works_unchanged_in_hf_trainer(
         micro_batch=2,
         grad_accum=3,
         max_grad_norm=0.7,
-        learning_rate=3e-4,
-        adam_betas=(0.8, 0.95),
-        adam_eps=1e-7,
-        weight_decay=0.01,
+        adam=AdamSettings(3e-4, (0.8, 0.95), 1e-7, 0.01),
     )
     assert precision == "fp32"
     assert {k: v for k, v in ours.items() if k != "steps_per_print"} == {
@@ -223,6 +218,8 @@ def test_resolution_fills_every_auto(name: str, world_size: int) -> None:
 @pytest.mark.parametrize("name", PRESET_NAMES)
 @pytest.mark.parametrize("task", TASK_NAMES)
 def test_every_task_resolves_with_every_preset(task: str, name: str) -> None:
+    from align_anything.engine import AdamSettings
+
     cfg = load_config([f"task={task}", f"deepspeed={name}"])
     train = cfg.train
     config, plan, _ = resolve(
@@ -234,10 +231,9 @@ def test_every_task_resolves_with_every_preset(task: str, name: str) -> None:
         grad_accum=train.gradient_accumulation_steps,
         global_batch=train.global_batch_size,
         max_grad_norm=train.max_grad_norm,
-        learning_rate=train.learning_rate,
-        adam_betas=train.adam_betas,
-        adam_eps=train.adam_eps,
-        weight_decay=train.weight_decay,
+        adam=AdamSettings(
+            train.learning_rate, train.adam_betas, train.adam_eps, train.weight_decay
+        ),
         explicit=cfg.explicit_keys,
     )
     assert find_auto(config) == []
@@ -438,6 +434,7 @@ def _probe_engine(name: str) -> dict[str, Any]:
     import torch
 
     from align_anything.engine import (
+        AdamSettings,
         Engine,
         model_init_context,
         resolve_ds_config,
@@ -460,10 +457,7 @@ def _probe_engine(name: str) -> dict[str, Any]:
         grad_accum=1,
         global_batch="auto",
         max_grad_norm=1.0,
-        learning_rate=1e-3,
-        adam_betas=(0.9, 0.999),
-        adam_eps=1e-8,
-        weight_decay=0.0,
+        adam=AdamSettings(1e-3, (0.9, 0.999), 1e-8, 0.0),
     )
     torch.manual_seed(0)
     with model_init_context(ds_config):
@@ -473,10 +467,7 @@ def _probe_engine(name: str) -> dict[str, Any]:
     engine = Engine(
         model,
         ds_config,
-        learning_rate=1e-3,
-        adam_betas=(0.9, 0.999),
-        adam_eps=1e-8,
-        weight_decay=0.0,
+        adam=AdamSettings(1e-3, (0.9, 0.999), 1e-8, 0.0),
         schedule="constant",
         total_steps=10,
         warmup_steps=0,

@@ -205,6 +205,12 @@ class Trainer:
         self._build_data()
         # Hashed now, as encoded: trainers may add to the rows later (DPO reference log-probs).
         self._fingerprints()
+        adam = eng.AdamSettings(
+            cfg.train.learning_rate,
+            cfg.train.adam_betas,
+            cfg.train.adam_eps,
+            cfg.train.weight_decay,
+        )
         self.ds_config, self.batch_plan, self.precision = eng.resolve_ds_config(
             cfg.deepspeed,
             world_size=self.dist.world_size,
@@ -215,10 +221,7 @@ class Trainer:
             grad_accum=cfg.train.gradient_accumulation_steps,
             global_batch=cfg.train.global_batch_size,
             max_grad_norm=cfg.train.max_grad_norm,
-            learning_rate=cfg.train.learning_rate,
-            adam_betas=cfg.train.adam_betas,
-            adam_eps=cfg.train.adam_eps,
-            weight_decay=cfg.train.weight_decay,
+            adam=adam,
             explicit=cfg.explicit_keys,
         )
         self._plan_steps()
@@ -234,10 +237,7 @@ class Trainer:
         self.engine = eng.Engine(
             model,
             self.ds_config,
-            learning_rate=cfg.train.learning_rate,
-            adam_betas=cfg.train.adam_betas,
-            adam_eps=cfg.train.adam_eps,
-            weight_decay=cfg.train.weight_decay,
+            adam=adam,
             schedule=cfg.train.lr_scheduler,
             total_steps=self.total_steps,
             warmup_steps=math.ceil(cfg.train.warmup_ratio * self.total_steps),
