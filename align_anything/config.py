@@ -22,15 +22,31 @@ PRESET_DIR = CONFIG_DIR / "deepspeed"
 TASK_DIR = CONFIG_DIR / "task"
 
 Auto = Literal["auto"]
+# deepspeed=auto: the planner chooses among the shipped presets.
+AUTO_PRESET = "auto"
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSection(_Section):
+    """Low-rank adapters (PEFT LoRA) instead of full fine-tuning."""
+
+    enabled: bool = False
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # "all-linear": every linear layer of the language model except the output head.
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # Also write output_dir/final-merged: the adapter merged into a full model folder.
+    save_merged: bool = False
+
+
 class ModelConfig(_Section):
     name_or_path: str = "smollm2-135m-instruct"
     trust_remote_code: bool = False
+    lora: LoraSection = Field(default_factory=LoraSection)
 
 
 class DataConfig(_Section):
@@ -43,6 +59,15 @@ class DataConfig(_Section):
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0)
     max_train_samples: int | None = Field(None, ge=1)
     max_eval_samples: int | None = Field(None, ge=1)
+
+
+class EMASection(_Section):
+    """An exponential moving average of the trained weights, updated every optimizer step."""
+
+    enabled: bool = False
+    decay: float = Field(0.999, ge=0.0, lt=1.0)
+    # cpu: rank 0 keeps the average in host memory; device: on the accelerator.
+    device: Literal["cpu", "device"] = "cpu"
 
 
 class TrainSection(_Section):
@@ -64,6 +89,10 @@ class TrainSection(_Section):
     log_every_steps: int = Field(1, ge=1)
     # Project only completion positions onto the vocabulary (same numbers, less compute).
     completion_only_logits: bool = True
+    ema: EMASection = Field(default_factory=EMASection)
+    # Per-device memory the planner (deepspeed=auto, python -m align_anything.plan) may use;
+    # null: the accelerator's memory (on CPU: system RAM shared by the local ranks).
+    memory_budget_gb: float | None = Field(None, gt=0)
 
     @field_validator("per_device_batch_size", "gradient_accumulation_steps", "global_batch_size")
     @classmethod
@@ -191,7 +220,8 @@ def load_preset(spec: str) -> tuple[dict[str, Any], str]:
     elif not (spec.endswith(".json") or path.exists()):
         raise ConfigError(
             f"deepspeed={spec!r}: unknown preset{did_you_mean(spec, available_presets())}. "
-            f"Shipped presets: {', '.join(available_presets())}; or give a path to a JSON file."
+            f"Shipped presets: {', '.join(available_presets())}; {AUTO_PRESET} (the lowest ZeRO "
+            "stage that fits memory); or give a path to a JSON file."
         )
     if not path.is_file():
         raise ConfigError(f"deepspeed={spec!r}: file {path} does not exist.")
@@ -346,7 +376,11 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
             raw.pop(name)
     preset_spec = str(raw.get("deepspeed", "z0"))
     try:
-        preset, source = load_preset(preset_spec)
+        # auto: the trainer picks a preset once it knows the model and world size (plan.py);
+        # until then the dict holds only the `deepspeed.*` overrides, applied on top later.
+        preset, source = (
+            ({}, AUTO_PRESET) if preset_spec == AUTO_PRESET else load_preset(preset_spec)
+        )
         for key, value in preset_overrides:
             _set_dotted(preset, key, value)
         raw["deepspeed"] = preset

@@ -1,19 +1,19 @@
 """Export an align_anything checkpoint to a plain Hugging Face folder.
 
     python -m align_anything.export outputs/sft/checkpoints/step-200 --out exported/
+    python -m align_anything.export outputs/sft/final --out merged/     # a LoRA adapter folder
 
 Works for checkpoints of any ZeRO stage and world size, on one CPU process: the partitions are
 merged by DeepSpeed's own `zero_to_fp32`, the architecture and tokenizer come from the run's
 `model.name_or_path` (recorded in the checkpoint's run_config.json), and the result is written
-as safetensors with the tokenizer, loadable by `from_pretrained`.
+as safetensors with the tokenizer, loadable by `from_pretrained`. LoRA runs (a checkpoint, or the
+adapter folder `final/`) are merged into the base weights, giving a plain model folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -25,7 +25,7 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from align_anything import models
+    from align_anything import lora, models
     from align_anything.engine import checkpoint_state_dict
 
     folder = Path(checkpoint)
@@ -33,10 +33,12 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
     if not config_file.exists():
         raise ConfigError(
             f"{checkpoint}: no run_config.json; expected an align_anything checkpoint "
-            "(output_dir/checkpoints/step-N)"
+            "(output_dir/checkpoints/step-N) or the final/ folder of a LoRA run"
         )
     run = json.loads(config_file.read_text())
     model_path = models.resolve_model_path(run["model"]["name_or_path"])
+    if lora.is_adapter_folder(folder):
+        return lora.merge_adapter_folder(folder, model_path, Path(out), task=run["task"])
     trust = bool(run["model"].get("trust_remote_code", False))
     config = models.load_config(model_path, trust_remote_code=trust)
     tokenizer = models.load_tokenizer(model_path, trust_remote_code=trust)
@@ -45,23 +47,28 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
         model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    adapters = run["model"].get("lora", {})
+    if adapters.get("enabled"):
+        model = lora.add_adapters(
+            model,
+            r=adapters["r"],
+            alpha=adapters["alpha"],
+            dropout=adapters["dropout"],
+            target_modules=adapters["target_modules"],
+            sequence_classification=run["task"] == "rm",
+        )
     state = checkpoint_state_dict(folder)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-    missing = [k for k in missing if k not in tied]
+    missing = [k for k in missing if k.removeprefix("base_model.model.") not in tied]
     if missing or unexpected:
         raise ConfigError(
             f"{checkpoint}: weights do not match {run['model']['name_or_path']}: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    target = Path(out)
-    tmp = target.with_name(f".tmp-{target.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(tmp, target)
-    return target
+    if adapters.get("enabled"):
+        model = model.merge_and_unload()
+    return lora.write_hf_folder(model, tokenizer, Path(out))
 
 
 def main(argv: list[str] | None = None) -> int:

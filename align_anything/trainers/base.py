@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from align_anything import engine as eng
-from align_anything import models
+from align_anything import lora, models
 from align_anything.config import RunConfig
 from align_anything.data import DataReport, load_records, split_records
 from align_anything.errors import CheckpointWriteError, ConfigError, Preempted, UserError
@@ -68,6 +68,14 @@ def _hash_array(value: Any) -> str:
     return hashlib.sha256(array.tobytes()).hexdigest()
 
 
+def _count(n: int) -> str:
+    """A parameter count for people: 135.0M, 1.24B, 41.2K."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)
+
+
 def quiet_library_progress_bars() -> None:
     """Our progress display is the only one: transformers' per-load bars and datasets' split
     bars would otherwise print once per rank."""
@@ -95,7 +103,10 @@ def shard_chunks(
 
 def supports_logits_to_keep(module: torch.nn.Module) -> bool:
     """Whether a causal LM's forward can project only selected positions onto the vocabulary
-    (transformers' `logits_to_keep` with a boolean [B, T] mask)."""
+    (transformers' `logits_to_keep` with a boolean [B, T] mask). A PEFT model passes the
+    argument through to its base model."""
+    if lora.is_peft_model(module):
+        module = module.get_base_model()
     return "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
@@ -234,6 +245,18 @@ class Trainer:
                 eng.convert_to_universal(self._resume_dir)
         with eng.model_init_context(self.ds_config):
             model = self.build_model()
+        if cfg.model.lora.enabled:
+            # After the base is built (and, under ZeRO-3, partitioned): DeepSpeed partitions
+            # the new adapter parameters when the engine wraps the model.
+            model = lora.add_adapters(
+                model,
+                r=cfg.model.lora.r,
+                alpha=cfg.model.lora.alpha,
+                dropout=cfg.model.lora.dropout,
+                target_modules=cfg.model.lora.target_modules,
+                sequence_classification=self.task == "rm",
+            )
+            self.summary_lines.append(f"  adapters        {lora.adapter_summary(model)}")
         self.engine = eng.Engine(
             model,
             self.ds_config,
@@ -354,7 +377,7 @@ class Trainer:
         lines = [
             f"align_anything {self.task}",
             f"  model           {cfg.model.name_or_path} ({self.model_config.model_type}): "
-            f"{trainable / 1e6:.1f}M trainable, {frozen / 1e6:.1f}M frozen parameters",
+            f"{_count(trainable)} trainable, {_count(frozen)} frozen parameters",
             f"  world size      {plan.world_size} ({self.dist.backend} on {self.dist.device.type})",
             f"  effective batch {plan.describe()}",
             f"  steps           {self.total_steps} ({self.steps_per_epoch} per epoch, "
@@ -802,21 +825,35 @@ class Trainer:
     # ------------------------------------------------------------------ export
 
     def save(self) -> Path | None:
-        """Export `output_dir/final` as a Hugging Face folder (safetensors + tokenizer)."""
+        """Export `output_dir/final` as a Hugging Face folder (safetensors + tokenizer; a LoRA
+        run writes its adapter there, and with `model.lora.save_merged` also `final-merged`)."""
         if not self.cfg.checkpoint.save_final:
             return None
         state = self.engine.full_state_dict()
         final = self.output_dir / "final"
         if self.dist.is_main:
-            tmp = self.output_dir / ".tmp-final"
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.export_module().save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            self._write_resolved_config(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
+            self._write_final(final, state)
+            if self.cfg.model.lora.enabled and self.cfg.model.lora.save_merged:
+                lora.merge_adapter_folder(
+                    final, self.model_path, self.output_dir / "final-merged", task=self.task
+                )
         eng.barrier()
         return final
+
+    def _write_final(self, final: Path, state: dict[str, torch.Tensor] | None) -> None:
+        """Write a Hugging Face folder from a full state dict (rank 0): the model (or, for a
+        LoRA run, the adapter) as safetensors, the tokenizer and the resolved config."""
+        tmp = final.with_name(f".tmp-{final.name}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        module = self.export_module()
+        if lora.is_peft_model(module):
+            lora.save_adapter(module, state, tmp)
+        else:
+            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        self.tokenizer.save_pretrained(tmp)
+        self._write_resolved_config(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
 
     def export_module(self) -> Any:
         return self.engine.module

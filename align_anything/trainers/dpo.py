@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from align_anything import engine as eng
+from align_anything import lora
 from align_anything.data import DataReport, collate_preference, encode_preference
 from align_anything.data.builtin import has_preferred_property
 from align_anything.losses import REFERENCE_FREE_LOSS_TYPES, dpo_loss
@@ -66,25 +67,38 @@ class DPOTrainer(Trainer):
         return self.cfg.dpo.loss_type in REFERENCE_FREE_LOSS_TYPES
 
     def after_engine(self) -> None:
-        self.reference: eng.InferenceEngine | None = None
+        self.reference: eng.InferenceEngine | lora.AdapterDisabledReference | None = None
         if self.reference_free:
             self.summary_lines.append(
                 f"  reference       none ({self.cfg.dpo.loss_type} is reference-free)"
             )
             return
-        # The reference is always the model as loaded from model.name_or_path (never a resumed
-        # checkpoint), so build it before any checkpoint is loaded into the policy.
-        with eng.model_init_context(self.ds_config):
-            ref_model = self.build_model()
-        self.reference = eng.InferenceEngine(
-            ref_model, self.ds_config, offload=self.cfg.dpo.reference_offload
-        )
+        if self.cfg.model.lora.enabled:
+            # The base model is the policy with its adapters off: no second model in memory.
+            self.reference = lora.AdapterDisabledReference(self.engine)
+        else:
+            # The reference is always the model as loaded from model.name_or_path (never a
+            # resumed checkpoint), so build it before any checkpoint is loaded into the policy.
+            with eng.model_init_context(self.ds_config):
+                ref_model = self.build_model()
+            self.reference = eng.InferenceEngine(
+                ref_model, self.ds_config, offload=self.cfg.dpo.reference_offload
+            )
         if self.cfg.dpo.reference == "precompute":
             self._precompute_reference()
             self.reference.release()
             self.reference = None
             self.summary_lines.append(
-                "  reference       precomputed log-probs (one no-grad pass), model freed"
+                "  reference       precomputed log-probs (one no-grad pass), "
+                + (
+                    "from the policy with adapters disabled (no second model)"
+                    if self.cfg.model.lora.enabled
+                    else "model freed"
+                )
+            )
+        elif self.cfg.model.lora.enabled:
+            self.summary_lines.append(
+                "  reference       the base model: the policy with adapters disabled (no copy)"
             )
         else:
             where = (
