@@ -270,6 +270,17 @@ def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def merge_nested(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `base` with `overrides` merged in, key by key at every depth."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_nested(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def _to_plain(value: Any) -> Any:
     from omegaconf import DictConfig, ListConfig, OmegaConf
 

@@ -659,6 +659,27 @@ def gather_state_dict(module: torch.nn.Module, stage: int) -> dict[str, torch.Te
     return state if rank == 0 else None
 
 
+@contextlib.contextmanager
+def gathered(params: list[torch.nn.Parameter], stage: int) -> Iterator[None]:
+    """Make ZeRO-3 partitioned parameters whole on every rank for the duration (read-only).
+    Collective under ZeRO-3; a no-op for other stages, whose parameters are whole already."""
+    if stage != 3:
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
+def peak_memory_bytes() -> int:
+    """This process's peak: allocated accelerator memory, or on CPU the peak RSS."""
+    acc = get_accelerator()
+    if acc.device_name() == "cuda":
+        return int(acc.max_memory_allocated())
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class InferenceEngine:
     """A frozen model (e.g. the DPO reference) without gradients or optimizer state.
 
@@ -932,6 +953,38 @@ def memory_summary() -> str:
 
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return f"peak RSS {peak_kib / 2**20:.2f} GiB"
+
+
+def deepspeed_model_state_estimate(
+    stage: int,
+    *,
+    total_params: int,
+    largest_layer_params: int,
+    gpus_per_node: int,
+    nodes: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+) -> tuple[int, int]:
+    """(host bytes per node, device bytes per device) of model states for mixed-precision Adam,
+    from DeepSpeed's own estimators (ZeRO-2 and ZeRO-3; ZeRO-0/1 use the ZeRO-2 figure on one
+    device, which partitions nothing)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    if stage == 3:
+        host, device, _ = estimate_zero3_model_states_mem_needs(
+            total_params, largest_layer_params, num_gpus_per_node=gpus_per_node,
+            num_nodes=nodes, cpu_offload=offload_optimizer, cpu_offload_params=offload_params,
+        )  # fmt: skip
+        return host, device
+    if stage == 2:
+        return estimate_zero2_model_states_mem_needs(
+            total_params, num_gpus_per_node=gpus_per_node, num_nodes=nodes,
+            cpu_offload=offload_optimizer,
+        )  # fmt: skip
+    return estimate_zero2_model_states_mem_needs(
+        total_params, num_gpus_per_node=1, num_nodes=1, cpu_offload=offload_optimizer
+    )
 
 
 def estimate_model_state_memory(

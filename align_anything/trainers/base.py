@@ -25,8 +25,9 @@ import torch
 
 from align_anything import engine as eng
 from align_anything import lora, models
-from align_anything.config import RunConfig
+from align_anything.config import AUTO_PRESET, RunConfig, load_preset, merge_nested
 from align_anything.data import DataReport, load_records, split_records
+from align_anything.ema import WeightEMA
 from align_anything.errors import CheckpointWriteError, ConfigError, Preempted, UserError
 from align_anything.losses import IGNORE_INDEX, completion_logps, selected_token_logps
 from align_anything.preemption import StopRequest
@@ -216,6 +217,8 @@ class Trainer:
         self._build_data()
         # Hashed now, as encoded: trainers may add to the rows later (DPO reference log-probs).
         self._fingerprints()
+        if cfg.deepspeed_source == AUTO_PRESET:
+            self._choose_preset()
         adam = eng.AdamSettings(
             cfg.train.learning_rate,
             cfg.train.adam_betas,
@@ -272,6 +275,9 @@ class Trainer:
         self.after_engine()
         if self._resume_dir is not None:
             self._load_checkpoint(self._resume_dir)
+        self.ema: WeightEMA | None = None
+        if cfg.train.ema.enabled:
+            self._start_ema()
         self.logger = None
         if self.dist.is_main:
             self.logger = MetricsLogger(
@@ -284,6 +290,48 @@ class Trainer:
             )
             self._write_resolved_config(self.output_dir)
             self._print_summary()
+
+    def _choose_preset(self) -> None:
+        """deepspeed=auto: the lowest ZeRO stage whose memory estimate fits (plan.py), decided
+        on rank 0 (ranks on other nodes may see other memory) and applied on every rank, with
+        the command line's `deepspeed.*` overrides on top."""
+        from align_anything import plan
+
+        choice = ("", "")
+        if self.dist.is_main:
+            estimates, budget, _, _ = plan.plan(self.cfg, world_size=self.dist.world_size)
+            try:
+                estimate, reason = plan.choose(estimates, budget)
+                choice = (estimate.preset, reason)
+            except ConfigError as err:  # every rank must leave with it, not wait for rank 0
+                choice = ("", str(err))
+        name, reason = eng.broadcast_object(choice)
+        if not name:
+            raise ConfigError(reason)
+        preset, source = load_preset(name)
+        self.cfg.deepspeed = merge_nested(preset, self.cfg.deepspeed)
+        self.cfg.deepspeed_source = source
+        self.summary_lines.append(f"  deepspeed=auto  {reason}")
+
+    def _start_ema(self) -> None:
+        """The weight average starts from the current weights (a resumed run: the
+        checkpoint's average, when it has one)."""
+        ema_cfg = self.cfg.train.ema
+        self.ema = WeightEMA(
+            self.engine, decay=ema_cfg.decay, on_device=ema_cfg.device == "device",
+            is_main=self.dist.is_main,
+        )  # fmt: skip
+        where = "on the device" if ema_cfg.device == "device" else "in host memory"
+        note = ""
+        if self._resume_dir is not None:
+            restored = self.ema.load(self._resume_dir)
+            note = ", restored from the checkpoint" if restored else (
+                ", started from the checkpoint's weights (it holds no average)"
+            )  # fmt: skip
+        self.summary_lines.append(
+            f"  ema             decay {ema_cfg.decay} over {len(self.ema.params)} trained "
+            f"tensors, fp32 {where} of rank 0{note}; exported to final-ema"
+        )
 
     def _prepare_output_dir(self) -> None:
         if self.output_dir.exists() and not self.output_dir.is_dir():
@@ -477,6 +525,8 @@ class Trainer:
                 self._stop_on_nonfinite(keys, packed.tolist())
             self.engine.step()
             self.step += 1
+            if self.ema is not None:
+                self.ema.update()
             grad_norm = self.engine.grad_norm()
             if grad_norm is not None and not math.isfinite(grad_norm):
                 self._stop_on_nonfinite(["grad_norm"], [grad_norm])
@@ -714,6 +764,8 @@ class Trainer:
             },
             tmp / f"rng_state_rank{self.dist.rank}.pt",
         )
+        if self.ema is not None:
+            self.ema.save(tmp)
         eng.barrier()
         if self.dist.is_main:
             self._write_resolved_config(tmp)
@@ -833,6 +885,8 @@ class Trainer:
         final = self.output_dir / "final"
         if self.dist.is_main:
             self._write_final(final, state)
+            if self.ema is not None:
+                self._write_final(self.output_dir / "final-ema", self.ema.state_dict(state))
             if self.cfg.model.lora.enabled and self.cfg.model.lora.save_merged:
                 lora.merge_adapter_folder(
                     final, self.model_path, self.output_dir / "final-merged", task=self.task

@@ -1,0 +1,312 @@
+"""Memory planner: per-device memory of each shipped preset for a run, and `deepspeed=auto`.
+
+    python -m align_anything.plan task=dpo model.name_or_path=smollm2-135m-instruct
+    python -m align_anything.plan --world-size 8 task=sft model.name_or_path=Qwen/Qwen2.5-7B
+
+For each preset (z0, z2, z3, z3_offload) at the given world size it prints the estimated
+per-device memory of
+
+- model states: DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`) for
+  mixed precision; for fp32 training (CPU) and LoRA, where DeepSpeed has no estimator, the same
+  accounting by hand (weights, gradients and Adam moments of what trains, weights of what is
+  frozen), partitioned as the stage partitions them;
+- the DPO reference model (frozen weights; partitioned under ZeRO-3; none for a LoRA run, whose
+  reference is the base model with adapters off, and none for reference-free losses). A
+  precomputed reference still exists while it is computed, after the policy's engine is built,
+  so it counts towards the peak;
+- activations of one micro-batch (Korthikanti et al. 2022: 34·s·b·h bytes per layer in 16-bit
+  without activation checkpointing, doubled for fp32) plus the logits;
+
+and which presets fit the device memory (or `train.memory_budget_gb`) with 10% headroom.
+`deepspeed=auto` takes the lowest ZeRO stage that fits: lower stages communicate less.
+
+Everything is computed from the model's config (built on the meta device: no weights are
+loaded), so planning a 70B model takes seconds on a laptop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from align_anything.config import RunConfig, load_config, load_preset
+from align_anything.errors import ConfigError, UserError
+
+# Lowest communication first: the order `deepspeed=auto` tries them in.
+PRESET_ORDER = ("z0", "z2", "z3", "z3_offload")
+HEADROOM = 0.9  # allocator fragmentation, communication buffers, CUDA context
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    total: int
+    trainable: int
+    largest_layer: int
+    hidden: int
+    layers: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    preset: str
+    stage: int
+    model_states: float  # bytes per device
+    host: float  # bytes per node kept in host memory (offloaded states)
+    reference: float
+    activations: float
+    paper: float  # the ZeRO paper's per-parameter figure × parameters (mixed-precision Adam)
+    source: str
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.reference + self.activations
+
+
+def model_sizes(cfg: RunConfig) -> ModelSizes:
+    """Parameter counts of the run's model (with adapters when LoRA is on), from its config on
+    the meta device."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from align_anything import lora, models
+
+    config = models.load_config(cfg.model.name_or_path, trust_remote_code=False)
+    with torch.device("meta"):
+        if cfg.task == "rm":
+            config.num_labels = 1
+            model = AutoModelForSequenceClassification.from_config(config)
+        else:
+            model = AutoModelForCausalLM.from_config(config)
+        if cfg.model.lora.enabled:
+            adapters = cfg.model.lora
+            model = lora.add_adapters(
+                model, r=adapters.r, alpha=adapters.alpha, dropout=adapters.dropout,
+                target_modules=adapters.target_modules, sequence_classification=cfg.task == "rm",
+            )  # fmt: skip
+    trainable, frozen = models.count_parameters(model)
+    largest = max(
+        (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0
+    )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return ModelSizes(
+        total=trainable + frozen,
+        trainable=trainable,
+        largest_layer=largest,
+        hidden=int(text.hidden_size),
+        layers=int(text.num_hidden_layers),
+        vocab=int(text.vocab_size),
+    )
+
+
+def _precision(cfg: RunConfig, device: str) -> str:
+    from align_anything.engine import resolve_precision
+
+    return resolve_precision(cfg.train.precision, device)
+
+
+def estimate_preset(
+    preset: str,
+    ds_config: dict[str, Any],
+    sizes: ModelSizes,
+    cfg: RunConfig,
+    *,
+    world_size: int,
+    gpus_per_node: int,
+    precision: str,
+) -> Estimate:
+    """Per-device memory of `cfg` under one preset."""
+    from align_anything import engine as eng
+
+    stage = eng.zero_stage_of(ds_config)
+    offload_opt = eng.offloads_optimizer(ds_config)
+    offload_params = eng.offloads_params(ds_config)
+    nodes = max(1, world_size // gpus_per_node)
+    n = world_size
+    weight_bytes = 4 if precision == "fp32" else 2
+    full_training = sizes.trainable == sizes.total and precision != "fp32"
+    if full_training:
+        host, device = eng.deepspeed_model_state_estimate(
+            stage, total_params=sizes.total, largest_layer_params=sizes.largest_layer,
+            gpus_per_node=gpus_per_node, nodes=nodes, offload_optimizer=offload_opt,
+            offload_params=offload_params,
+        )  # fmt: skip
+        source = "DeepSpeed estimator"
+        if stage != 3 and not offload_opt:
+            host = 0  # the ZeRO-2 estimator's host figure is the load-time copy, not a steady state
+    else:
+        # By hand: fp32 (no 16-bit copy: weights 4, grads 4, Adam 8) or mixed precision (16-bit
+        # weights and grads 2+2, fp32 master and Adam 12) for what trains; weights only for what
+        # is frozen.
+        trained, frozen = sizes.trainable, sizes.total - sizes.trainable
+        w, g, opt = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+        shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n)}.get(stage, (n, n, n))
+        weights = (trained * w + frozen * weight_bytes) / shard[0]
+        grads = trained * g / shard[1]
+        states = trained * opt / shard[2]
+        host = 0.0
+        if offload_opt:
+            host += states * gpus_per_node
+            states = 0.0
+        if offload_params and stage == 3:
+            host += weights * gpus_per_node
+            weights = 4.0 * sizes.largest_layer
+        device = weights + grads + states
+        source = "by hand (fp32)" if precision == "fp32" else "by hand (LoRA)"
+    paper_per_param = {0: 16.0, 1: 4 + 12 / n, 2: 2 + 14 / n}.get(stage, 16 / n)
+    reference = 0.0
+    if cfg.task == "dpo" and not cfg.model.lora.enabled:
+        from align_anything.losses import REFERENCE_FREE_LOSS_TYPES
+
+        if cfg.dpo is not None and cfg.dpo.loss_type not in REFERENCE_FREE_LOSS_TYPES:
+            offloaded = cfg.dpo.reference_offload
+            reference = 0.0 if offloaded else sizes.total * weight_bytes / (n if stage == 3 else 1)
+    micro = cfg.train.per_device_batch_size
+    micro = micro if isinstance(micro, int) else 4
+    sequences = micro * (2 if cfg.task in ("dpo", "rm") else 1)
+    seq = cfg.data.max_length
+    scale = 2 if precision == "fp32" else 1
+    activations = 34 * seq * sequences * sizes.hidden * sizes.layers * scale
+    if cfg.task != "rm":
+        activations += sequences * seq * sizes.vocab * weight_bytes  # logits (upper bound)
+    return Estimate(
+        preset=preset,
+        stage=stage,
+        model_states=float(device),
+        host=float(host),
+        reference=reference,
+        activations=float(activations),
+        paper=paper_per_param * sizes.total,
+        source=source,
+    )
+
+
+def device_budget(cfg: RunConfig, *, gpus_per_node: int) -> tuple[float, str]:
+    """Bytes one device may use, and where the figure comes from."""
+    if cfg.train.memory_budget_gb:
+        return cfg.train.memory_budget_gb * GIB, "train.memory_budget_gb"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"{props.name} memory"
+    with open("/proc/meminfo") as f:
+        total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+    return total_kib * 1024 / gpus_per_node, f"system RAM / {gpus_per_node} local rank(s)"
+
+
+def plan(
+    cfg: RunConfig, *, world_size: int, gpus_per_node: int | None = None
+) -> tuple[list[Estimate], float, str, ModelSizes]:
+    """Estimates for every shipped preset, the per-device budget and its source."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpus_per_node = gpus_per_node or min(
+        world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    )
+    sizes = model_sizes(cfg)
+    precision = _precision(cfg, device)
+    estimates = []
+    for name in PRESET_ORDER:
+        preset, _ = load_preset(name)
+        estimates.append(
+            estimate_preset(
+                name,
+                preset,
+                sizes,
+                cfg,
+                world_size=world_size,
+                gpus_per_node=gpus_per_node,
+                precision=precision,
+            )  # fmt: skip
+        )
+    budget, source = device_budget(cfg, gpus_per_node=gpus_per_node)
+    return estimates, budget, source, sizes
+
+
+def choose(estimates: list[Estimate], budget: float) -> tuple[Estimate, str]:
+    """The lowest-stage preset whose estimate fits the budget (with headroom), and why."""
+    limit = budget * HEADROOM
+    for estimate in estimates:
+        if estimate.total <= limit:
+            skipped = estimates[: estimates.index(estimate)]
+            why = "; ".join(f"{e.preset} needs {e.total / GIB:.2f} GiB" for e in skipped)
+            reason = (
+                f"{estimate.preset}: estimated {estimate.total / GIB:.2f} GiB per device fits "
+                f"{limit / GIB:.2f} GiB (90% of {budget / GIB:.2f})"
+                + (f", lower stages do not ({why})" if why else ", the lowest ZeRO stage")
+            )
+            return estimate, reason
+    smallest = min(estimates, key=lambda e: e.total)
+    raise ConfigError(
+        f"deepspeed=auto: no preset fits {limit / GIB:.2f} GiB per device (90% of "
+        f"{budget / GIB:.2f}); the smallest estimate is {smallest.preset} at "
+        f"{smallest.total / GIB:.2f} GiB. Use more devices, LoRA (model.lora.enabled=true), a "
+        "smaller train.per_device_batch_size or data.max_length, or set train.memory_budget_gb "
+        "if the detected memory is wrong."
+    )
+
+
+def format_table(
+    estimates: list[Estimate], budget: float, source: str, sizes: ModelSizes, *,
+    cfg: RunConfig, world_size: int,
+) -> str:  # fmt: skip
+    """The planner's printed report."""
+    limit = budget * HEADROOM
+    lines = [
+        f"memory plan: task={cfg.task} model={cfg.model.name_or_path} "
+        f"({sizes.total / 1e6:.1f}M parameters, {sizes.trainable / 1e6:.2f}M trainable), "
+        f"world size {world_size}, micro-batch {cfg.train.per_device_batch_size}, "
+        f"max_length {cfg.data.max_length}",
+        f"budget per device: {budget / GIB:.2f} GiB ({source}); fits if total <= "
+        f"{limit / GIB:.2f} GiB",
+        "",
+        f"{'preset':<11}{'stage':>6}{'states':>10}{'ref':>9}{'activ.':>9}{'total':>9}"
+        f"{'ZeRO paper':>12}{'host/node':>11}  fits  source",
+    ]
+    for e in estimates:
+        lines.append(
+            f"{e.preset:<11}{e.stage:>6}{e.model_states / GIB:>10.2f}{e.reference / GIB:>9.2f}"
+            f"{e.activations / GIB:>9.2f}{e.total / GIB:>9.2f}{e.paper / GIB:>12.2f}"
+            f"{e.host / GIB:>11.2f}  {'yes ' if e.total <= limit else 'no  '}  {e.source}"
+        )
+    lines.append("(GiB per device; 'ZeRO paper': 16 / 4+12/N / 2+14/N / 16/N bytes per parameter)")
+    try:
+        _, reason = choose(estimates, budget)
+        lines.append(f"deepspeed=auto would choose {reason}")
+    except ConfigError as err:
+        lines.append(str(err))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m align_anything.plan", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="devices in the run (default: WORLD_SIZE, else visible GPUs, else 1)")  # fmt: skip
+    parser.add_argument("--gpus-per-node", type=int, default=None)
+    parser.add_argument(
+        "overrides", nargs="*", help="config overrides, as for align_anything.train"
+    )
+    args = parser.parse_args(argv)
+    world = args.world_size or int(
+        os.environ.get("WORLD_SIZE", torch.cuda.device_count() if torch.cuda.is_available() else 1)
+    )
+    try:
+        overrides = [o for o in args.overrides if not o.startswith("deepspeed=")]
+        cfg = load_config(overrides)
+        estimates, budget, source, sizes = plan(
+            cfg, world_size=world, gpus_per_node=args.gpus_per_node
+        )
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(estimates, budget, source, sizes, cfg=cfg, world_size=world))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
