@@ -670,6 +670,11 @@ def gathered(params: list[torch.nn.Parameter], stage: int) -> Iterator[None]:
         yield
 
 
+def memory_kind() -> str:
+    """What `peak_memory_bytes` measures here."""
+    return "allocated device memory" if get_accelerator().device_name() == "cuda" else "RSS"
+
+
 def peak_memory_bytes() -> int:
     """This process's peak: allocated accelerator memory, or on CPU the peak RSS."""
     acc = get_accelerator()

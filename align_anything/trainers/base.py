@@ -246,6 +246,8 @@ class Trainer:
             self._resume_universal = self._resume_topology_change(self._resume_dir)
             if self._resume_universal:
                 eng.convert_to_universal(self._resume_dir)
+        # Memory before any weights exist: on CPU the interpreter, libraries and data.
+        self.memory_before_model = eng.peak_memory_bytes()
         with eng.model_init_context(self.ds_config):
             model = self.build_model()
         if cfg.model.lora.enabled:
@@ -581,6 +583,10 @@ class Trainer:
         progress.close()
         self.train_seconds = time.perf_counter() - train_start
         self._log_eval(self.evaluate(label="after"), "after")
+        # Every rank's peak (ZeRO stages differ in how evenly memory spreads over ranks).
+        self.peak_memory = eng.all_gather_objects(
+            (self.memory_before_model, eng.peak_memory_bytes())
+        )
 
     count_unit: ClassVar[str] = "samples"
 
@@ -930,8 +936,16 @@ class Trainer:
 
     def summary_data(self) -> dict[str, Any]:
         evals = {h["phase"]: h for h in self.history if "phase" in h}
-        return {"task": self.task, "steps": self.step, "evaluations": evals,
-                "train_seconds": getattr(self, "train_seconds", None)}  # fmt: skip
+        peaks = getattr(self, "peak_memory", [])
+        return {
+            "task": self.task,
+            "steps": self.step,
+            "evaluations": evals,
+            "train_seconds": getattr(self, "train_seconds", None),
+            "memory_kind": eng.memory_kind(),
+            "peak_memory_gib_per_rank": [round(p / 2**30, 4) for _, p in peaks],
+            "memory_before_model_gib_per_rank": [round(b / 2**30, 4) for b, _ in peaks],
+        }
 
     def final_summary(self) -> str:
         evals = [h for h in self.history if "phase" in h]
@@ -940,6 +954,13 @@ class Trainer:
         lines = [
             f"finished {self.task}: {self.step} steps in {getattr(self, 'train_seconds', 0):.0f} s"
         ]
+        peaks = getattr(self, "peak_memory", [])
+        if peaks:
+            lines.append(
+                f"  peak memory per rank ({eng.memory_kind()}): "
+                + ", ".join(f"{p / 2**30:.2f}" for _, p in peaks)
+                + " GiB"
+            )
         keys = sorted({k for h in evals for k in h if k not in ("step", "phase")})
         for key in keys:
             values = " → ".join(
