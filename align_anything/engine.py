@@ -98,6 +98,7 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
             verbose=False,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        _unlink_shm_allreduce_buffer()
     _DIST = DistInfo(
         rank=dist.get_rank(),
         local_rank=local_rank,
@@ -125,6 +126,23 @@ def teardown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _DIST = None
+
+
+def _unlink_shm_allreduce_buffer() -> None:
+    """DeepSpeed's CPU shared-memory all-reduce (0.19) creates a 66 MB file per rank in
+    /dev/shm and never removes it, so every multi-rank CPU run would leave RAM behind for good
+    (even more so a killed one). Every rank has mapped every buffer once `init_distributed`
+    returns everywhere, so after one barrier each rank unlinks its own name: the mappings stay
+    valid until the processes exit, and the memory is freed then."""
+    if get_accelerator().device_name() != "cpu" or dist.get_world_size() == 1:
+        return
+    name = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
+    )
+    dist.barrier()
+    with contextlib.suppress(OSError):
+        (Path("/dev/shm") / name).unlink()
 
 
 def barrier() -> None:
