@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,13 +39,19 @@ from align_anything.config import load_config  # noqa: E402
 GIB = 2**30
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def run_preset(preset: str, overrides: list[str], num_gpus: int, work: Path) -> dict:
     out = work / preset
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", NO_COLOR="1")
     command = [
         str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(num_gpus),
-        "--module", "align_anything.train", *overrides, f"deepspeed={preset}",
+        "--master_port", str(_free_port()), "--module", "align_anything.train", *overrides, f"deepspeed={preset}",
         f"output_dir={out}",
     ]  # fmt: skip
     start = time.perf_counter()
