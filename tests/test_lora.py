@@ -138,9 +138,10 @@ def test_rm_lora_trains_the_score_head_fully(tmp_path: Path) -> None:
 
     run = launch(
         [*RM_ARGS, *LORA, "deepspeed=z2", "model.lora.save_merged=true",
-         "checkpoint.every_steps=3"],
-        tmp_path / "rm",
+         "checkpoint.every_steps=3", "train.per_device_batch_size=2"],
+        tmp_path / "rm", launcher="deepspeed", nproc=2,
     ).check()  # fmt: skip
+    assert run.zero_stage() == 2
     assert "trained fully: classifier, score" in run.summary_line("adapters")
     adapter = load_file(run.output_dir / "final" / "adapter_model.safetensors")
     (score_key,) = [k for k in adapter if "score" in k]
