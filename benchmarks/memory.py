@@ -58,7 +58,8 @@ def run_preset(preset: str, overrides: list[str], num_gpus: int, work: Path) -> 
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         print(done.stdout[-3000:], done.stderr[-3000:], sep="\n", file=sys.stderr)
-        raise SystemExit(f"{preset}: the run failed (exit {done.returncode})")
+        print(f"{preset}: the run failed (exit {done.returncode})", file=sys.stderr)
+        return {"failed": done.returncode}
     summary = json.loads((out / "summary.json").read_text())
     summary["wall_seconds"] = time.perf_counter() - start
     return summary
@@ -88,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for preset in args.presets:
             summary = run_preset(preset, overrides, args.num_gpus, work)
-            rows.append((preset, summary, by_name[preset]))
-            print(f"{preset}: done in {summary['wall_seconds']:.0f} s", file=sys.stderr)
+            if "failed" not in summary:
+                rows.append((preset, summary, by_name[preset]))
+                print(f"{preset}: done in {summary['wall_seconds']:.0f} s", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
