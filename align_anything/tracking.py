@@ -85,7 +85,8 @@ class MetricsLogger:
             self._wandb = wandb.init(
                 project=project, name=run_name, config=config, dir=str(output_dir), mode=mode
             )
-            self.notes.append(f"wandb: {self._wandb.dir} ({self._wandb.settings.mode})")
+            run_dir = Path(self._wandb.dir).parent  # wandb.dir is the run's files/ folder
+            self.notes.append(f"wandb: {self._wandb.settings.mode} run in {run_dir}")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
