@@ -34,7 +34,10 @@ def script_env(**extra: str) -> dict[str, str]:
     for name in ("NUM_GPUS", "PRESET", "TASK", "MODEL", "OUTPUT_DIR", "DRY_RUN", "MASTER_ADDR"):
         env.pop(name, None)
     env.update(
-        PATH=f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}",  # deepspeed / torchrun of this venv
+        # The venv's deepspeed / torchrun, found after the rest of PATH: put first, the venv's
+        # own `ninja` would shadow the system one, and DeepSpeed's JIT-built ops (keyed by
+        # ninja's command hash, which differs between ninja versions) would rebuild, ~1 min.
+        PATH=f"{env.get('PATH', '')}{os.pathsep}{BIN_DIR}",
         HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1", NO_COLOR="1", OMP_NUM_THREADS="1",
     )  # fmt: skip
