@@ -73,12 +73,20 @@ class MetricsLogger:
             import wandb
 
             mode = None
-            if not os.environ.get("WANDB_API_KEY") and os.environ.get("WANDB_MODE") is None:
+            # wandb.login(prompt=False, verify=False) looks for a key where wandb does (the
+            # WANDB_API_KEY variable, wandb's settings file, ~/.netrc) without prompting or
+            # touching the network; without one, an online init would prompt or fail.
+            if os.environ.get("WANDB_MODE") is None and not wandb.login(prompt=False, verify=False):
                 mode = "offline"
-                self.notes.append("wandb: no API key configured, logging offline")
+                self.notes.append(
+                    "wandb: no API key configured, logging offline "
+                    f"(upload later with `wandb sync {output_dir / 'wandb'}`)"
+                )
             self._wandb = wandb.init(
                 project=project, name=run_name, config=config, dir=str(output_dir), mode=mode
             )
+            run_dir = Path(self._wandb.dir).parent  # wandb.dir is the run's files/ folder
+            self.notes.append(f"wandb: {self._wandb.settings.mode} run in {run_dir}")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}

@@ -26,6 +26,11 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent
+# The venv's tools (deepspeed, torchrun, ninja) go *after* the rest of PATH, for this process and
+# every run it starts: DeepSpeed compiles its CPU ops with whichever ninja comes first, and two
+# ninja versions hash the build differently, so alternating them rebuilds the ops (a minute each).
+if str(BIN_DIR) not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = f"{os.environ.get('PATH', '')}{os.pathsep}{BIN_DIR}"
 TINY_MODEL = "tiny-random-llama"
 # One launch normally takes 15-30 s here; a run past this is hung (e.g. a collective waiting on
 # a dead rank) and fails the test.

@@ -1,0 +1,148 @@
+"""The launch scripts in scripts/: each one-machine script really trains with 2 CPU ranks; the
+multi-node and Slurm scripts, which cannot launch here, print their command (DRY_RUN=1), and
+the test parses it with the real deepspeed / torchrun argument parsers."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import (
+    BIN_DIR,
+    DIST_ENV_VARS,
+    REPO_ROOT,
+    TINY_MODEL,
+    RunResult,
+    finish,
+    free_port,
+)
+
+SCRIPTS = REPO_ROOT / "scripts"
+STEPS = 2
+FAST = [
+    f"model.name_or_path={TINY_MODEL}", "train.precision=fp32", f"train.max_steps={STEPS}",
+    "data.max_eval_samples=4", "checkpoint.save_final=false", "train.per_device_batch_size=2",
+]  # fmt: skip
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    for name in ("NUM_GPUS", "PRESET", "TASK", "MODEL", "OUTPUT_DIR", "DRY_RUN", "MASTER_ADDR"):
+        env.pop(name, None)
+    env.update(
+        # The venv's deepspeed / torchrun, found after the rest of PATH: put first, the venv's
+        # own `ninja` would shadow the system one, and DeepSpeed's JIT-built ops (keyed by
+        # ninja's command hash, which differs between ninja versions) would rebuild, ~1 min.
+        PATH=f"{env.get('PATH', '')}{os.pathsep}{BIN_DIR}",
+        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1", NO_COLOR="1", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    env.update(extra)
+    return env
+
+
+# (script, environment, arguments before the overrides, expected ZeRO stage): together they use
+# the arguments and the environment variables, the default preset (z3) and every launcher.
+CASES = {
+    "sft.sh": ({}, ["--num_gpus", "2", "--preset", "z2"], 2),
+    "dpo.sh": ({"NUM_GPUS": "2"}, ["dpo.generation_check_samples=0"], 3),
+    "rm.sh": ({"PRESET": "z0"}, ["--num_gpus=2"], 0),
+    "torchrun.sh": ({"TASK": "sft", "NUM_GPUS": "2", "PRESET": "z0"}, [], 0),
+}
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
+    env, args, stage = CASES[script]
+    output_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPTS / script), *args, *FAST],
+        cwd=REPO_ROOT,
+        env=script_env(OUTPUT_DIR=str(output_dir), MASTER_PORT=str(free_port()), **env),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+        start_new_session=True,
+    )  # fmt: skip
+    run: RunResult = finish(proc, output_dir).check()
+    assert re.search(r"^\s+world size\s+2 ", run.output, re.MULTILINE), run.output[-3000:]
+    assert run.zero_stage() == stage
+    assert [m["step"] for m in run.train_steps()] == list(range(1, STEPS + 1))
+    # Only rank 0 logs: one start-up summary, one progress line per step.
+    assert len(re.findall(r"^align_anything (sft|dpo|rm)$", run.output, re.MULTILINE)) == 1
+    for step in range(1, STEPS + 1):
+        assert len(re.findall(rf"^step {step}/{STEPS} ", run.output, re.MULTILINE)) == 1
+
+
+def dry_run(script: str, *args: str, **env: str) -> list[str]:
+    out = subprocess.run(
+        ["bash", str(SCRIPTS / script), *args], cwd=REPO_ROOT, env=script_env(DRY_RUN="1", **env),
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return shlex.split(out)
+
+
+def test_multinode_command_parses_with_the_deepspeed_runner() -> None:
+    """Not a real multi-node launch (one machine here): the printed command is checked."""
+    from deepspeed.launcher.runner import fetch_hostfile, parse_args
+
+    hostfile = SCRIPTS / "hostfile.example"
+    command = dry_run(
+        "multinode.sh", "train.max_steps=10", HOSTFILE=str(hostfile), TASK="dpo", PRESET="z3"
+    )
+    assert command[0] == "deepspeed"
+    args = parse_args(command[1:])
+    assert args.hostfile == str(hostfile) and args.launcher == "pdsh"
+    assert args.master_addr == "node1" and args.master_port == 29500  # the first host
+    assert args.module and args.user_script == "align_anything.train"
+    assert args.user_args == ["task=dpo", "deepspeed=z3", "train.max_steps=10"]
+    assert dict(fetch_hostfile(args.hostfile)) == {"node1": 8, "node2": 8}
+
+
+def test_multinode_names_a_missing_hostfile(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "multinode.sh")], cwd=REPO_ROOT,
+        env=script_env(HOSTFILE=str(tmp_path / "hosts")), capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2 and f"HOSTFILE={tmp_path / 'hosts'} does not exist" in done.stderr
+
+
+def test_slurm_command_parses_with_torchrun(tmp_path: Path) -> None:
+    """Not a real Slurm launch: a fake allocation (SLURM_* variables and a stand-in `scontrol`
+    that expands the node list) and the printed srun + torchrun command, parsed by torchrun's
+    own argument parser."""
+    from torch.distributed.run import get_args_parser
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    scontrol = fake_bin / "scontrol"
+    scontrol.write_text('#!/usr/bin/env bash\n[ "$1 $2 $3" = "show hostnames gpu-[07-08]" ] '
+                        '&& printf "gpu-07\\ngpu-08\\n"\n')  # fmt: skip
+    scontrol.chmod(0o755)
+    env = script_env(
+        SLURM_JOB_NODELIST="gpu-[07-08]", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="4",
+        SLURM_JOB_ID="1234", TASK="rm", PRESET="z2",
+    )  # fmt: skip
+    env["PATH"] = f"{fake_bin}{os.pathsep}{env['PATH']}"
+    out = subprocess.run(
+        ["bash", str(SCRIPTS / "slurm.sbatch"), "train.epochs=2"], cwd=REPO_ROOT,
+        env={**env, "DRY_RUN": "1"}, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    command = shlex.split(out)
+    assert command[:3] == ["srun", "--ntasks-per-node=1", "torchrun"], command
+    args = get_args_parser().parse_args(command[3:])
+    assert (args.nnodes, args.nproc_per_node) == ("2", "4")
+    assert args.rdzv_backend == "c10d" and args.rdzv_endpoint == "gpu-07:29500"
+    assert args.rdzv_id == "1234" and args.module
+    assert args.training_script == "align_anything.train"
+    assert args.training_script_args == ["task=rm", "deepspeed=z2", "train.epochs=2"]
+
+
+def test_every_script_is_valid_bash() -> None:
+    scripts = sorted(SCRIPTS.glob("*.sh")) + sorted(SCRIPTS.glob("*.sbatch"))
+    assert len(scripts) >= 7
+    for path in scripts:
+        done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{path.name}: {done.stderr}"
