@@ -28,9 +28,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+ModelPart = Literal["vision_tower", "audio_tower", "projector", "language_model"]
+
+
 class ModelConfig(_Section):
     name_or_path: str = "smollm2-135m-instruct"
     trust_remote_code: bool = False
+    # Parts whose weights stay fixed (multimodal models: encoders, projector, language model).
+    freeze: list[ModelPart] = Field(default_factory=list)
 
 
 class DataConfig(_Section):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from align_anything import engine as eng
-from align_anything import models
+from align_anything import models, multimodal
 from align_anything.config import RunConfig
 from align_anything.data import DataReport, load_records, split_records
 from align_anything.errors import CheckpointWriteError, ConfigError, Preempted, UserError
@@ -109,20 +109,26 @@ def completion_forward(
     model's FLOPs. The numbers equal the full path (same per-position maths).
     """
     labels = batch["labels"]
+    # A multimodal batch may end with a dummy row (see MediaSupport.attach): cut it off here.
+    real = batch.get("real_rows", labels.shape[0])
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        **multimodal.media_inputs(batch),
+    }
     if not completion_only:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return completion_logps(logits, labels)
+        logits = model(**inputs).logits
+        sums, counts = completion_logps(logits, labels)
+        return sums[:real], counts[:real]
     # Position t is kept when it predicts a scored token t+1.
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
-    ).logits
+    logits = model(**inputs, logits_to_keep=keep).logits
     targets = labels[:, 1:][keep[:, :-1]]
     token_logps = selected_token_logps(logits, targets)
     rows = keep.nonzero()[:, 0]
     sums = torch.zeros(labels.shape[0], dtype=token_logps.dtype, device=token_logps.device)
-    return sums.index_add(0, rows, token_logps), keep.sum(dim=1)
+    return sums.index_add(0, rows, token_logps)[:real], keep.sum(dim=1)[:real]
 
 
 class Trainer:
@@ -150,6 +156,12 @@ class Trainer:
         raise NotImplementedError
 
     def build_model(self) -> torch.nn.Module:
+        if self.media is not None:
+            return multimodal.load_multimodal_lm(
+                self.model_path,
+                dtype=eng.torch_dtype(self.precision),
+                trust_remote_code=self.cfg.model.trust_remote_code,
+            )
         return models.load_causal_lm(
             self.model_path,
             dtype=eng.torch_dtype(self.precision),
@@ -195,12 +207,23 @@ class Trainer:
         seed_everything(cfg.train.seed)
         self._prepare_output_dir()
         self.model_path = models.resolve_model_path(cfg.model.name_or_path)
-        self.tokenizer = models.load_tokenizer(
-            self.model_path, trust_remote_code=cfg.model.trust_remote_code
-        )
         self.model_config = models.load_config(
             self.model_path, trust_remote_code=cfg.model.trust_remote_code
         )
+        # Image-text / audio-text models: the processor's tokenizer, and media in the batches.
+        self.processor: Any = None
+        self.media: multimodal.MediaSupport | None = None
+        modalities = multimodal.modalities_of(self.model_config)
+        if modalities:
+            self.processor = multimodal.load_processor(
+                self.model_path, trust_remote_code=cfg.model.trust_remote_code
+            )
+            self.media = multimodal.MediaSupport(self.processor, modalities)
+            self.tokenizer = self.processor.tokenizer
+        else:
+            self.tokenizer = models.load_tokenizer(
+                self.model_path, trust_remote_code=cfg.model.trust_remote_code
+            )
         # Data before weights: a bad dataset fails in seconds, not after a model load.
         self._build_data()
         # Hashed now, as encoded: trainers may add to the rows later (DPO reference log-probs).
@@ -234,6 +257,8 @@ class Trainer:
                 eng.convert_to_universal(self._resume_dir)
         with eng.model_init_context(self.ds_config):
             model = self.build_model()
+        # Before the engine: DeepSpeed partitions and builds optimizer state for trainable ones.
+        multimodal.freeze_parts(model, cfg.model.freeze, model_name=cfg.model.name_or_path)
         self.engine = eng.Engine(
             model,
             self.ds_config,
@@ -295,10 +320,12 @@ class Trainer:
             train_records = train_records[: cfg.max_train_samples]
         if cfg.max_eval_samples:
             eval_records = eval_records[: cfg.max_eval_samples]
+        train_records = self._prepare_media(train_records, cfg.path)
+        eval_records = self._prepare_media(eval_records, cfg.eval_path or cfg.path)
         self.eval_records = eval_records
-        self.train_rows, train_report = self.encode(train_records, split="train")
+        self.train_rows, train_report = self._encode_checked(train_records, split="train")
         self.eval_rows, eval_report = (
-            self.encode(eval_records, split="eval") if eval_records else ([], None)
+            self._encode_checked(eval_records, split="eval") if eval_records else ([], None)
         )
         for report, split in ((train_report, "train"), (eval_report, "eval")):
             if report is not None:
@@ -309,6 +336,33 @@ class Trainer:
                 f"no usable training rows in {cfg.path}:\n"
                 + "\n".join(r.summary() for r in self.data_reports)
             )
+
+    def _prepare_media(self, records: list[dict], source: str) -> list[dict]:
+        """Check media and write their placeholders into the text (multimodal models); a text
+        model given media is an error rather than silently training on the text alone."""
+        if self.media is not None:
+            return self.media.prepare(records, data_path=source)
+        if multimodal.has_media(records):
+            raise UserError(
+                f"{source} has images or audio, but model {self.cfg.model.name_or_path} is a "
+                "text-only model. Use an image-text or audio-text model (e.g. "
+                "model.name_or_path=tiny-random-llava), or data without media."
+            )
+        return records
+
+    def _encode_checked(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
+        rows, report = self.encode(records, split=split)
+        if self.media is not None:
+            rows = self.media.drop_cut_rows(rows, report)
+        return rows, report
+
+    def collate_with_media(self, rows: list[dict]) -> dict[str, Any]:
+        """The trainer's batch, plus decoded media for multimodal models."""
+        batch = self.collate(rows)
+        if self.media is not None:
+            copies = 1 if self.record_kind == "conversation" else 2
+            batch = self.media.attach(batch, rows, copies=copies)
+        return batch
 
     def _check_kind(self, records: list[dict], source: str) -> None:
         if not records:
@@ -366,6 +420,11 @@ class Trainer:
             f"  ds config       {json.dumps(self.ds_config, separators=(',', ':'))}",
             f"  memory plan     model states ≈ {estimate:.2f} GiB per device "
             f"(mixed-precision Adam, ZeRO-{stage}); now {eng.memory_summary()}",
+            *(
+                [f"  parts           {multimodal.describe_parts(multimodal.part_counts(self.engine.module))}"]
+                if self.media is not None or cfg.model.freeze
+                else []
+            ),
             *self.summary_lines,
             *(f"  data            {r.summary()}" for r in self.data_reports),
             *(f"  logging         {note}" for note in self.logger.notes),
@@ -402,7 +461,10 @@ class Trainer:
             world=plan.world_size,
             rank=self.dist.rank,
         )
-        return [self._to_device(self.collate([self.train_rows[i] for i in s])) for s in slices]
+        return [
+            self._to_device(self.collate_with_media([self.train_rows[i] for i in s]))
+            for s in slices
+        ]
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = self.engine.device
@@ -568,7 +630,7 @@ class Trainer:
             rank=self.dist.rank, world=self.dist.world_size,
         ):  # fmt: skip
             rows = [self.eval_rows[i] for i in chunk or [0]]
-            yield self._to_device(self.collate(rows)), chunk is not None
+            yield self._to_device(self.collate_with_media(rows)), chunk is not None
 
     @torch.no_grad()
     def evaluate(self, *, label: str) -> dict[str, float]:
@@ -811,7 +873,7 @@ class Trainer:
             tmp = self.output_dir / ".tmp-final"
             shutil.rmtree(tmp, ignore_errors=True)
             self.export_module().save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
+            (self.processor or self.tokenizer).save_pretrained(tmp)
             self._write_resolved_config(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
