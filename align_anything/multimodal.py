@@ -122,9 +122,7 @@ class RewardHeadMixin:
         self.score = torch.nn.Linear(config.get_text_config().hidden_size, 1, bias=False)
         self.post_init()
 
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: Any
-    ) -> Any:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: Any) -> Any:
         from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
         hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **media)[0]

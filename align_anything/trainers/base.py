@@ -306,9 +306,12 @@ class Trainer:
         cfg = self.cfg.data
         records, load_report = load_records(cfg.path, format=cfg.format, columns=cfg.columns)
         self._check_kind(records, cfg.path)
+        # Before any split, so media problems are reported with the file's row numbers.
+        records = self._prepare_media(records, cfg.path)
         if cfg.eval_path:
             eval_records, _ = load_records(cfg.eval_path, format=cfg.format, columns=cfg.columns)
             self._check_kind(eval_records, cfg.eval_path)
+            eval_records = self._prepare_media(eval_records, cfg.eval_path)
             train_records = records
         elif cfg.eval_fraction > 0:
             train_records, eval_records = split_records(
@@ -320,8 +323,6 @@ class Trainer:
             train_records = train_records[: cfg.max_train_samples]
         if cfg.max_eval_samples:
             eval_records = eval_records[: cfg.max_eval_samples]
-        train_records = self._prepare_media(train_records, cfg.path)
-        eval_records = self._prepare_media(eval_records, cfg.eval_path or cfg.path)
         self.eval_records = eval_records
         self.train_rows, train_report = self._encode_checked(train_records, split="train")
         self.eval_rows, eval_report = (
@@ -405,6 +406,10 @@ class Trainer:
         estimate = eng.estimate_model_state_memory(
             trainable + frozen, stage, plan.world_size, bool(offload)
         )
+        parts = []  # per-part sizes, for multimodal models and frozen parts
+        if self.media is not None or cfg.model.freeze:
+            counts = multimodal.part_counts(self.engine.module)
+            parts.append(f"  parts           {multimodal.describe_parts(counts)}")
         lines = [
             f"align_anything {self.task}",
             f"  model           {cfg.model.name_or_path} ({self.model_config.model_type}): "
@@ -420,11 +425,7 @@ class Trainer:
             f"  ds config       {json.dumps(self.ds_config, separators=(',', ':'))}",
             f"  memory plan     model states ≈ {estimate:.2f} GiB per device "
             f"(mixed-precision Adam, ZeRO-{stage}); now {eng.memory_summary()}",
-            *(
-                [f"  parts           {multimodal.describe_parts(multimodal.part_counts(self.engine.module))}"]
-                if self.media is not None or cfg.model.freeze
-                else []
-            ),
+            *parts,
             *self.summary_lines,
             *(f"  data            {r.summary()}" for r in self.data_reports),
             *(f"  logging         {note}" for note in self.logger.notes),
