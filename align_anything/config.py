@@ -46,6 +46,9 @@ class LoraSection(_Section):
     )
 
 
+ModelPart = Literal["vision_tower", "audio_tower", "projector", "language_model"]
+
+
 class ModelConfig(_Section):
     name_or_path: str = Field(
         "smollm2-135m-instruct",
@@ -54,6 +57,10 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(
         False,
         description="Run the model repository's own Python code (off unless you trust its source).",
+    )
+    freeze: list[ModelPart] = Field(
+        default_factory=list,
+        description="Parts whose weights stay fixed: any of `vision_tower`, `audio_tower`, `projector`, `language_model` (multimodal models).",
     )
     lora: LoraSection = Field(
         default_factory=LoraSection, description="Train low-rank adapters instead of all weights."

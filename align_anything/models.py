@@ -8,6 +8,8 @@ Built-in names serve the offline default run and the tests:
   and chat template, for fast tests. The weights are generated once and saved, so every ZeRO
   stage loads the very same numbers through `from_pretrained` (random init under `zero.Init`
   would otherwise differ from the model's own init).
+- `tiny-random-llava`, `tiny-random-qwen2-audio`: the same for an image-text and an audio-text
+  model, with a processor made locally (see align_anything/multimodal.py).
 """
 
 from __future__ import annotations
@@ -100,10 +102,25 @@ def _build_tiny_llama(target: Path) -> None:
     tokenizer.save_pretrained(target)
 
 
+def _build_tiny_llava(target: Path) -> None:
+    from align_anything.multimodal import build_tiny_llava
+
+    build_tiny_llava(target, _load_gguf_tokenizer())
+
+
+def _build_tiny_qwen2_audio(target: Path) -> None:
+    from align_anything.multimodal import build_tiny_qwen2_audio
+
+    build_tiny_qwen2_audio(target, _load_gguf_tokenizer())
+
+
 # Built-in name -> (builder, version). Bump the version when a builder changes so caches renew.
 BUILTIN_MODELS: dict[str, tuple[Callable[[Path], None], int]] = {
     "smollm2-135m-instruct": (_build_smollm2, 1),
     "tiny-random-llama": (_build_tiny_llama, 1),
+    # Image-text and audio-text (align_anything/multimodal.py): tiny encoders + tiny LM.
+    "tiny-random-llava": (_build_tiny_llava, 1),
+    "tiny-random-qwen2-audio": (_build_tiny_qwen2_audio, 1),
 }
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from align_anything import engine as eng
-from align_anything import lora, models
+from align_anything import lora, models, multimodal
 from align_anything.config import AUTO_PRESET, RunConfig, load_preset, merge_nested
 from align_anything.data import DataReport, load_records, split_records
 from align_anything.ema import WeightEMA
@@ -121,20 +121,26 @@ def completion_forward(
     model's FLOPs. The numbers equal the full path (same per-position maths).
     """
     labels = batch["labels"]
+    # A multimodal batch may end with a dummy row (see MediaSupport.attach): cut it off here.
+    real = batch.get("real_rows", labels.shape[0])
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        **multimodal.media_inputs(batch),
+    }
     if not completion_only:
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return completion_logps(logits, labels)
+        logits = model(**inputs).logits
+        sums, counts = completion_logps(logits, labels)
+        return sums[:real], counts[:real]
     # Position t is kept when it predicts a scored token t+1.
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    logits = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
-    ).logits
+    logits = model(**inputs, logits_to_keep=keep).logits
     targets = labels[:, 1:][keep[:, :-1]]
     token_logps = selected_token_logps(logits, targets)
     rows = keep.nonzero()[:, 0]
     sums = torch.zeros(labels.shape[0], dtype=token_logps.dtype, device=token_logps.device)
-    return sums.index_add(0, rows, token_logps), keep.sum(dim=1)
+    return sums.index_add(0, rows, token_logps)[:real], keep.sum(dim=1)[:real]
 
 
 class Trainer:
@@ -162,6 +168,12 @@ class Trainer:
         raise NotImplementedError
 
     def build_model(self) -> torch.nn.Module:
+        if self.media is not None:
+            return multimodal.load_multimodal_lm(
+                self.model_path,
+                dtype=eng.torch_dtype(self.precision),
+                trust_remote_code=self.cfg.model.trust_remote_code,
+            )
         return models.load_causal_lm(
             self.model_path,
             dtype=eng.torch_dtype(self.precision),
@@ -207,12 +219,23 @@ class Trainer:
         seed_everything(cfg.train.seed)
         self._prepare_output_dir()
         self.model_path = models.resolve_model_path(cfg.model.name_or_path)
-        self.tokenizer = models.load_tokenizer(
-            self.model_path, trust_remote_code=cfg.model.trust_remote_code
-        )
         self.model_config = models.load_config(
             self.model_path, trust_remote_code=cfg.model.trust_remote_code
         )
+        # Image-text / audio-text models: the processor's tokenizer, and media in the batches.
+        self.processor: Any = None
+        self.media: multimodal.MediaSupport | None = None
+        modalities = multimodal.modalities_of(self.model_config)
+        if modalities:
+            self.processor = multimodal.load_processor(
+                self.model_path, trust_remote_code=cfg.model.trust_remote_code
+            )
+            self.media = multimodal.MediaSupport(self.processor, modalities)
+            self.tokenizer = self.processor.tokenizer
+        else:
+            self.tokenizer = models.load_tokenizer(
+                self.model_path, trust_remote_code=cfg.model.trust_remote_code
+            )
         # Data before weights: a bad dataset fails in seconds, not after a model load.
         self._build_data()
         # Hashed now, as encoded: trainers may add to the rows later (DPO reference log-probs).
@@ -250,6 +273,8 @@ class Trainer:
         self.memory_before_model = eng.peak_memory_bytes()
         with eng.model_init_context(self.ds_config):
             model = self.build_model()
+        # Before the engine: DeepSpeed partitions and builds optimizer state for trainable ones.
+        multimodal.freeze_parts(model, cfg.model.freeze, model_name=cfg.model.name_or_path)
         if cfg.model.lora.enabled:
             # After the base is built (and, under ZeRO-3, partitioned): DeepSpeed partitions
             # the new adapter parameters when the engine wraps the model.
@@ -354,9 +379,12 @@ class Trainer:
         cfg = self.cfg.data
         records, load_report = load_records(cfg.path, format=cfg.format, columns=cfg.columns)
         self._check_kind(records, cfg.path)
+        # Before any split, so media problems are reported with the file's row numbers.
+        records = self._prepare_media(records, cfg.path)
         if cfg.eval_path:
             eval_records, _ = load_records(cfg.eval_path, format=cfg.format, columns=cfg.columns)
             self._check_kind(eval_records, cfg.eval_path)
+            eval_records = self._prepare_media(eval_records, cfg.eval_path)
             train_records = records
         elif cfg.eval_fraction > 0:
             train_records, eval_records = split_records(
@@ -369,9 +397,9 @@ class Trainer:
         if cfg.max_eval_samples:
             eval_records = eval_records[: cfg.max_eval_samples]
         self.eval_records = eval_records
-        self.train_rows, train_report = self.encode(train_records, split="train")
+        self.train_rows, train_report = self._encode_checked(train_records, split="train")
         self.eval_rows, eval_report = (
-            self.encode(eval_records, split="eval") if eval_records else ([], None)
+            self._encode_checked(eval_records, split="eval") if eval_records else ([], None)
         )
         for report, split in ((train_report, "train"), (eval_report, "eval")):
             if report is not None:
@@ -382,6 +410,33 @@ class Trainer:
                 f"no usable training rows in {cfg.path}:\n"
                 + "\n".join(r.summary() for r in self.data_reports)
             )
+
+    def _prepare_media(self, records: list[dict], source: str) -> list[dict]:
+        """Check media and write their placeholders into the text (multimodal models); a text
+        model given media is an error rather than silently training on the text alone."""
+        if self.media is not None:
+            return self.media.prepare(records, data_path=source)
+        if multimodal.has_media(records):
+            raise UserError(
+                f"{source} has images or audio, but model {self.cfg.model.name_or_path} is a "
+                "text-only model. Use an image-text or audio-text model (e.g. "
+                "model.name_or_path=tiny-random-llava), or data without media."
+            )
+        return records
+
+    def _encode_checked(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
+        rows, report = self.encode(records, split=split)
+        if self.media is not None:
+            rows = self.media.drop_cut_rows(rows, report)
+        return rows, report
+
+    def collate_with_media(self, rows: list[dict]) -> dict[str, Any]:
+        """The trainer's batch, plus decoded media for multimodal models."""
+        batch = self.collate(rows)
+        if self.media is not None:
+            copies = 1 if self.record_kind == "conversation" else 2
+            batch = self.media.attach(batch, rows, copies=copies)
+        return batch
 
     def _check_kind(self, records: list[dict], source: str) -> None:
         if not records:
@@ -424,6 +479,10 @@ class Trainer:
         estimate = eng.estimate_model_state_memory(
             trainable + frozen, stage, plan.world_size, bool(offload)
         )
+        parts = []  # per-part sizes, for multimodal models and frozen parts
+        if self.media is not None or cfg.model.freeze:
+            counts = multimodal.part_counts(self.engine.module)
+            parts.append(f"  parts           {multimodal.describe_parts(counts)}")
         lines = [
             f"align_anything {self.task}",
             f"  model           {cfg.model.name_or_path} ({self.model_config.model_type}): "
@@ -439,6 +498,7 @@ class Trainer:
             f"  ds config       {json.dumps(self.ds_config, separators=(',', ':'))}",
             f"  memory plan     model states ≈ {estimate:.2f} GiB per device "
             f"(mixed-precision Adam, ZeRO-{stage}); now {eng.memory_summary()}",
+            *parts,
             *self.summary_lines,
             *(f"  data            {r.summary()}" for r in self.data_reports),
             *(f"  logging         {note}" for note in self.logger.notes),
@@ -475,7 +535,10 @@ class Trainer:
             world=plan.world_size,
             rank=self.dist.rank,
         )
-        return [self._to_device(self.collate([self.train_rows[i] for i in s])) for s in slices]
+        return [
+            self._to_device(self.collate_with_media([self.train_rows[i] for i in s]))
+            for s in slices
+        ]
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = self.engine.device
@@ -647,7 +710,7 @@ class Trainer:
             rank=self.dist.rank, world=self.dist.world_size,
         ):  # fmt: skip
             rows = [self.eval_rows[i] for i in chunk or [0]]
-            yield self._to_device(self.collate(rows)), chunk is not None
+            yield self._to_device(self.collate_with_media(rows)), chunk is not None
 
     @torch.no_grad()
     def evaluate(self, *, label: str) -> dict[str, float]:
@@ -910,7 +973,7 @@ class Trainer:
             lora.save_adapter(module, state, tmp)
         else:
             module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        self.tokenizer.save_pretrained(tmp)
+        (self.processor or self.tokenizer).save_pretrained(tmp)
         self._write_resolved_config(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -143,9 +143,7 @@ class DPOTrainer(Trainer):
             ):
                 keys = [(split, indices[i]) for i in chunk or [0]]
                 rows = [self._row(*key) for key in keys]
-                batch = self._to_device(
-                    collate_preference(rows, pad_id=self.tokenizer.pad_token_id)
-                )
+                batch = self._to_device(self.collate_with_media(rows))
                 chosen, rejected = self._sequence_logps(self.reference, batch)
                 if chunk is not None:
                     for key, c, r in zip(keys, chosen.tolist(), rejected.tolist(), strict=True):
