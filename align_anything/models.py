@@ -214,11 +214,12 @@ def load_causal_lm(name_or_path: str, *, dtype: Any, trust_remote_code: bool = F
 
     path = resolve_model_path(name_or_path)
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as err:
         raise _not_found(name_or_path, err) from None
+    return keep_architecture_frozen(model)
 
 
 def load_sequence_classifier(
@@ -233,13 +234,39 @@ def load_sequence_classifier(
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized: score.weight" notice is expected
     try:
-        return AutoModelForSequenceClassification.from_pretrained(
+        model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
         )
     except (OSError, ValueError) as err:
         raise _not_found(name_or_path, err) from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    return keep_architecture_frozen(model)
+
+
+def keep_architecture_frozen(model: Any) -> Any:
+    """Turn gradients off again for the parameters the architecture itself creates frozen.
+
+    transformers 5.24's loader (outside ZeRO-3) replaces each loaded parameter with a new
+    `nn.Parameter(requires_grad=True)` (`core_model_loading`), dropping any `requires_grad_(False)`
+    of the model's `__init__`, e.g. the position table of Qwen2-Audio's (Whisper-style) encoder.
+    Under ZeRO-3 it copies the weights into the parameters `zero.Init` built, so the flags stay:
+    without this, such a parameter trains under ZeRO-0/1/2 and not under ZeRO-3, and runs on
+    different stages differ. The architecture's own flags come from building the same class from
+    the config on the meta device (no memory, no weights); no transformers API keeps them.
+    """
+    import torch
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():  # flags kept (and a build here would run under zero.Init)
+        return model
+    with torch.device("meta"):
+        reference = type(model)(model.config)
+    frozen = {name for name, param in reference.named_parameters() if not param.requires_grad}
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return model
 
 
 def count_parameters(model: Any) -> tuple[int, int]:

@@ -40,6 +40,7 @@ from align_anything.data.media import (
     target_samples,
 )
 from align_anything.errors import ConfigError, DataError, ModelError
+from align_anything.models import keep_architecture_frozen
 
 # Batch keys a multimodal model's forward takes besides input_ids / attention_mask.
 MEDIA_MODEL_INPUTS = (
@@ -93,9 +94,10 @@ def load_multimodal_lm(path: str, *, dtype: Any, trust_remote_code: bool = False
     """An image-text or audio-text generation model (`AutoModelForMultimodalLM`)."""
     from transformers import AutoModelForMultimodalLM
 
-    return AutoModelForMultimodalLM.from_pretrained(
+    model = AutoModelForMultimodalLM.from_pretrained(
         path, dtype=dtype, trust_remote_code=trust_remote_code
     )
+    return keep_architecture_frozen(model)
 
 
 def last_real_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -158,9 +160,10 @@ def load_reward_model(path: str, config: Any, *, dtype: Any) -> Any:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "score.weight newly initialized" / "lm_head unused" expected
     try:
-        return cls.from_pretrained(path, dtype=dtype)
+        model = cls.from_pretrained(path, dtype=dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
+    return keep_architecture_frozen(model)
 
 
 def _register_builtin_reward_classes() -> None:
