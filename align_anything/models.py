@@ -260,8 +260,16 @@ def keep_architecture_frozen(model: Any) -> Any:
 
     if is_deepspeed_zero3_enabled():  # flags kept (and a build here would run under zero.Init)
         return model
-    with torch.device("meta"):
-        reference = type(model)(model.config)
+    try:
+        with torch.device("meta"):
+            reference = type(model)(model.config)
+    except Exception as err:  # e.g. remote code that cannot build on the meta device
+        print(
+            f"warning: could not rebuild {type(model).__name__} on the meta device to restore "
+            f"its frozen parameters ({type(err).__name__}); all loaded parameters train",
+            flush=True,
+        )
+        return model
     frozen = {name for name, param in reference.named_parameters() if not param.requires_grad}
     for name, param in model.named_parameters():
         if name in frozen:
