@@ -110,6 +110,9 @@ class DPOSection(_Section):
     # precompute: one no-grad pass over the data before training, then the reference is freed.
     reference: Literal["model", "precompute"] = "precompute"
     reference_offload: bool = False
+    # One row per pair (prompt + chosen + rejected, the prompt computed once) where the model's
+    # attention takes a dense mask (sdpa, eager); false: two rows per pair. Same loss either way.
+    share_prompt: bool = True
     # Greedy generations on held-out prompts before and after training, checked for the
     # preferred property where the dataset defines one (built-in datasets do).
     generation_check_samples: int = Field(0, ge=0)
