@@ -92,6 +92,9 @@ class CheckpointConfig(_Section):
 
 class SFTSection(_Section):
     assistant_only_loss: bool = True
+    # One row per micro-batch, its rows' common unscored prefix (system prompt, template header)
+    # computed once, where the model's attention takes a dense mask (sdpa, eager). Same loss.
+    share_prefix: bool = True
 
 
 DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"]

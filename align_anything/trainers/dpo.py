@@ -22,7 +22,7 @@ from align_anything.data.builtin import has_preferred_property
 from align_anything.losses import REFERENCE_FREE_LOSS_TYPES, dpo_loss
 from align_anything.shared_prompt import (
     collate_shared_prompt,
-    shared_prompt_logps,
+    shared_prefix_logps,
     supports_shared_prompt,
 )
 from align_anything.trainers.base import Trainer, completion_forward, shard_chunks, step_indices
@@ -81,7 +81,7 @@ class DPOTrainer(Trainer):
         """Summed completion log-probs and token counts of the 2B sequences (chosen of every
         pair, then rejected), from either batch layout."""
         if "score_sequences" in batch:
-            return shared_prompt_logps(model, batch, completion_only=self.completion_only_logits)
+            return shared_prefix_logps(model, batch, completion_only=self.completion_only_logits)
         return completion_forward(model, batch, completion_only=self.completion_only_logits)
 
     # ------------------------------------------------------------------ reference model
