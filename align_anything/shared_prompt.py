@@ -51,6 +51,12 @@ class PrefixGroup(NamedTuple):
     sequence_ids: list[int]
 
 
+def mask_dtype(model: Any) -> torch.dtype | None:
+    """The `additive_mask_dtype` a model needs: its dtype for eager attention (which adds the
+    mask to the scores), None for SDPA (which takes a boolean mask)."""
+    return model.dtype if model.config._attn_implementation == "eager" else None
+
+
 def collate_shared_prefix(
     groups: Sequence[PrefixGroup],
     *,

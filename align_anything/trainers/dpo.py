@@ -22,6 +22,7 @@ from align_anything.data.builtin import has_preferred_property
 from align_anything.losses import REFERENCE_FREE_LOSS_TYPES, dpo_loss
 from align_anything.shared_prompt import (
     collate_shared_prompt,
+    mask_dtype,
     shared_prefix_logps,
     supports_shared_prompt,
 )
@@ -57,12 +58,10 @@ class DPOTrainer(Trainer):
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         if self.share_prompt:
-            module = self.engine.module
-            eager = module.config._attn_implementation == "eager"
             batch = collate_shared_prompt(
                 rows,
                 pad_id=self.tokenizer.pad_token_id,
-                additive_mask_dtype=module.dtype if eager else None,
+                additive_mask_dtype=mask_dtype(self.engine.module),
             )
         else:
             batch = collate_preference(rows, pad_id=self.tokenizer.pad_token_id)

@@ -12,6 +12,7 @@ from align_anything.data import DataReport, collate_sft, encode_sft
 from align_anything.losses import IGNORE_INDEX
 from align_anything.shared_prompt import (
     collate_shared_sft,
+    mask_dtype,
     shared_prefix_logps,
     supports_shared_prompt,
 )
@@ -41,12 +42,10 @@ class SFTTrainer(Trainer):
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         if self.share_prefix:
-            module = self.engine.module
-            eager = module.config._attn_implementation == "eager"
             batch = collate_shared_sft(
                 rows,
                 pad_id=self.tokenizer.pad_token_id,
-                additive_mask_dtype=module.dtype if eager else None,
+                additive_mask_dtype=mask_dtype(self.engine.module),
             )
             if batch is not None:
                 return batch
