@@ -169,16 +169,24 @@ def common_unscored_prefix(
     return length
 
 
+# An SFT micro-batch becomes one row only when the shared prefix saves at least this share of
+# its tokens: attention over one row of all rows costs (sum of lengths)² instead of the sum of
+# squares, which a short system prompt in long rows does not pay back.
+MIN_SAVED_SHARE = 0.25
+
+
 def collate_shared_sft(
     rows: Sequence[Mapping[str, Any]], *, pad_id: int, additive_mask_dtype: torch.dtype | None
 ) -> dict[str, Tensor] | None:
     """One row for a whole SFT micro-batch when its rows start alike (a shared system prompt
     and chat-template header): the common unscored prefix once, then every row's rest. None
-    when there is nothing to share (one row, or no common prefix of two tokens or more)."""
+    when sharing does not pay: one row, or a prefix that saves less than `MIN_SAVED_SHARE` of
+    the micro-batch's tokens."""
     sequences = [list(r["input_ids"]) for r in rows]
     labels = [list(r["labels"]) for r in rows]
     length = common_unscored_prefix(sequences, labels) if len(rows) > 1 else 0
-    if length < 2:
+    saved = (len(rows) - 1) * length
+    if length < 2 or saved < MIN_SAVED_SHARE * sum(len(s) for s in sequences):
         return None
     group = PrefixGroup(
         sequences[0][:length],

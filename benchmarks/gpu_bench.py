@@ -7,7 +7,8 @@ from config, under ZeRO-2 and ZeRO-3, through align_anything's real entry point.
 The model (hidden 1536, 24 layers, 12 heads / 4 KV heads, MLP 4096, SmolLM2's tokenizer and its
 49152-token vocabulary, random weights) is written once to a temporary folder. SFT rows are
 single-turn conversations cut to exactly `--seq-len` tokens (`data.truncation=truncate_completion`);
-DPO pairs have a prompt of half that and two answers that fill the rest.
+DPO pairs have two answers of about a fifth of that and a prompt cut from the left to fill the
+rest (`truncate_prompt`).
 
 MFU = model FLOPs per second / the device's dense bf16 peak, with model FLOPs per trained token
 = 6·N + 12·layers·hidden·seq_len (N: every parameter, the tied embedding counted once, as the LM
@@ -93,9 +94,10 @@ def long_text(words: int, offset: int) -> str:
 
 def write_data(folder: Path, *, seq_len: int, rows: int) -> tuple[Path, Path]:
     """SFT conversations longer than `seq_len` (cut to it when encoded) and DPO pairs whose
-    prompt takes about half of `seq_len` and each answer about a quarter."""
+    answers take about a fifth of `seq_len` each and whose prompt is longer than the rest (cut
+    from the left when encoded, so each pair fills `seq_len` with its longer answer)."""
     sft, dpo = folder / "sft.jsonl", folder / "dpo.jsonl"
-    # About 1.5 tokens per number word with SmolLM2's tokenizer; err on the long side.
+    # SmolLM2's tokenizer splits digits: a number word is 3-4 tokens; err on the long side.
     with open(sft, "w") as f:
         for i in range(rows):
             messages = [
@@ -106,9 +108,9 @@ def write_data(folder: Path, *, seq_len: int, rows: int) -> tuple[Path, Path]:
     with open(dpo, "w") as f:
         for i in range(rows):
             f.write(json.dumps({
-                "prompt": long_text(seq_len // 4, i),
-                "chosen": long_text(seq_len // 8, i + 1),
-                "rejected": long_text(seq_len // 8, i + 2),
+                "prompt": long_text(seq_len // 2, i),
+                "chosen": long_text(seq_len // 16, i + 1),
+                "rejected": long_text(seq_len // 16, i + 2),
             }) + "\n")  # fmt: skip
     return sft, dpo
 
@@ -138,7 +140,8 @@ def run(
     overrides = [
         f"task={task}", f"deepspeed={preset}", f"model.name_or_path={model}",
         f"data.path={data}", "data.eval_path=null", "data.eval_fraction=0",
-        f"data.max_length={args.seq_len}", "data.truncation=truncate_completion",
+        f"data.max_length={args.seq_len}",
+        f"data.truncation={'truncate_completion' if task == 'sft' else 'truncate_prompt'}",
         f"train.max_steps={args.steps}", f"train.per_device_batch_size={args.micro_batch}",
         f"train.precision={'fp32' if args.tiny else 'bf16'}", "train.lr_scheduler=constant",
         "checkpoint.save_final=false", "logging.backends=[jsonl]", f"output_dir={out}",

@@ -120,3 +120,7 @@ def test_shared_sft_prefix_equals_plain_rows() -> None:
     assert collate_shared_sft(rows[:1], pad_id=0, additive_mask_dtype=None) is None
     other = {"input_ids": [1, 6, 7, 8], "labels": [ignore, ignore, ignore, 8]}
     assert collate_shared_sft([rows[0], other], pad_id=0, additive_mask_dtype=None) is None
+    # A prefix of 3 in rows of 20 saves 3 of 40 tokens: below MIN_SAVED_SHARE, not worth it.
+    long_rows = [{"input_ids": [5, 6, 7, *range(10 + k, 27 + k)],
+                  "labels": [ignore] * 3 + list(range(10 + k, 27 + k))} for k in (0, 100)]  # fmt: skip
+    assert collate_shared_sft(long_rows, pad_id=0, additive_mask_dtype=None) is None
