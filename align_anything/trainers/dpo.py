@@ -93,7 +93,11 @@ class DPOTrainer(Trainer):
         self.share_prompt = self.cfg.dpo.share_prompt and supports_shared_prompt(
             self.engine.module.config
         )
-        if self.cfg.dpo.share_prompt and not self.share_prompt:
+        if self.share_prompt:
+            self.summary_lines.append(
+                "  pairs           one row per pair, the prompt computed once (dpo.share_prompt)"
+            )
+        elif self.cfg.dpo.share_prompt:
             self.summary_lines.append(
                 "  pairs           two rows per pair (share_prompt needs a text model with "
                 "sdpa or eager attention)"
