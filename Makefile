@@ -36,6 +36,12 @@ test: setup
 	@$(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
+# Side by side with TRL on identical work (CPU, minutes; see benchmarks/README.md).
+bench: setup
+	$(PIP) install --quiet -e ".[bench]"
+	$(PY) benchmarks/dpo_vs_trl.py
+	$(PY) benchmarks/sft_vs_trl.py
+
 lint: setup
 	$(VENV)/bin/ruff check align_anything tests benchmarks
 	$(VENV)/bin/ruff format --check align_anything tests benchmarks

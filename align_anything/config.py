@@ -223,6 +223,10 @@ class SFTSection(_Section):
         True,
         description="Train on assistant tokens only; false trains on every non-padding token (prompt and template included).",
     )
+    share_prefix: bool = Field(
+        True,
+        description="One row per micro-batch with the rows' common unscored prefix (system prompt, template header) computed once, where attention takes a dense mask (sdpa, eager). Same loss.",
+    )
 
 
 DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"]
@@ -256,6 +260,10 @@ class DPOSection(_Section):
     )
     reference_offload: bool = Field(
         False, description="With `reference=model`: keep the reference model in CPU memory."
+    )
+    share_prompt: bool = Field(
+        True,
+        description="One row per pair (prompt + chosen + rejected, the prompt computed once) where attention takes a dense mask (sdpa, eager); false: two rows per pair. Same loss.",
     )
     # Greedy generations on held-out prompts before and after training, checked for the
     # preferred property where the dataset defines one (built-in datasets do).

@@ -990,8 +990,9 @@ class Trainer:
         dist = getattr(self, "dist", None)
         finished = hasattr(self, "train_seconds")
         summary = self.final_summary() if finished else ""
-        if dist is not None and dist.is_main and summary:
-            print(summary, flush=True)
+        if dist is not None and dist.is_main and finished:
+            if summary:
+                print(summary, flush=True)
             (self.output_dir / "summary.json").write_text(
                 json.dumps(self.summary_data(), indent=2) + "\n"
             )

@@ -10,6 +10,7 @@ a partitioned inference engine).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -20,6 +21,12 @@ from align_anything import lora
 from align_anything.data import DataReport, collate_preference, encode_preference
 from align_anything.data.builtin import has_preferred_property
 from align_anything.losses import REFERENCE_FREE_LOSS_TYPES, dpo_loss
+from align_anything.shared_prompt import (
+    collate_shared_prompt,
+    mask_dtype,
+    shared_prefix_logps,
+    supports_shared_prompt,
+)
 from align_anything.trainers.base import Trainer, completion_forward, shard_chunks, step_indices
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -51,14 +58,31 @@ class DPOTrainer(Trainer):
         )
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        batch = collate_preference(rows, pad_id=self.tokenizer.pad_token_id)
+        if self.share_prompt:
+            batch = collate_shared_prompt(
+                rows,
+                pad_id=self.tokenizer.pad_token_id,
+                additive_mask_dtype=mask_dtype(self.engine.module),
+            )
+        else:
+            batch = collate_preference(rows, pad_id=self.tokenizer.pad_token_id)
         if all(key in rows[0] for key in REF_KEYS):
             for key in REF_KEYS:
                 batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
         return batch
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> int:
-        return batch["input_ids"].shape[0] // 2
+        rows = batch["input_ids"].shape[0]
+        return rows if "score_sequences" in batch else rows // 2
+
+    def pair_logps(
+        self, model: Any, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed completion log-probs and token counts of the 2B sequences (chosen of every
+        pair, then rejected), from either batch layout."""
+        if "score_sequences" in batch:
+            return shared_prefix_logps(model, batch, completion_only=self.completion_only_logits)
+        return completion_forward(model, batch, completion_only=self.completion_only_logits)
 
     # ------------------------------------------------------------------ reference model
 
@@ -67,6 +91,21 @@ class DPOTrainer(Trainer):
         return self.cfg.dpo.loss_type in REFERENCE_FREE_LOSS_TYPES
 
     def after_engine(self) -> None:
+        # Media are attached per sequence (two rows per pair): text-only batches share prompts.
+        self.share_prompt = (
+            self.cfg.dpo.share_prompt
+            and self.media is None
+            and supports_shared_prompt(self.engine.module.config)
+        )
+        if self.share_prompt:
+            self.summary_lines.append(
+                "  pairs           one row per pair, the prompt computed once (dpo.share_prompt)"
+            )
+        elif self.cfg.dpo.share_prompt:
+            self.summary_lines.append(
+                "  pairs           two rows per pair (share_prompt needs a text model with "
+                "sdpa or eager attention)"
+            )
         self.reference: eng.InferenceEngine | lora.AdapterDisabledReference | None = None
         if self.reference_free:
             self.summary_lines.append(
@@ -85,11 +124,15 @@ class DPOTrainer(Trainer):
                 ref_model, self.ds_config, offload=self.cfg.dpo.reference_offload
             )
         if self.cfg.dpo.reference == "precompute":
+            start = time.perf_counter()
             self._precompute_reference()
+            # Part of the training cost (benchmarks add it to the step loop's time).
+            self.reference_seconds = time.perf_counter() - start
             self.reference.release()
             self.reference = None
             self.summary_lines.append(
-                "  reference       precomputed log-probs (one no-grad pass), "
+                "  reference       precomputed log-probs (one no-grad pass, "
+                f"{self.reference_seconds:.1f} s), "
                 + (
                     "from the policy with adapters disabled (no second model)"
                     if self.cfg.model.lora.enabled
@@ -159,7 +202,7 @@ class DPOTrainer(Trainer):
     def _sequence_logps(
         self, model: Any, batch: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logps, _ = completion_forward(model, batch, completion_only=self.completion_only_logits)
+        logps, _ = self.pair_logps(model, batch)
         half = logps.shape[0] // 2
         return logps[:half], logps[half:]
 
@@ -169,9 +212,7 @@ class DPOTrainer(Trainer):
         self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg.dpo
-        logps, counts = completion_forward(
-            self.engine, batch, completion_only=self.completion_only_logits
-        )
+        logps, counts = self.pair_logps(self.engine, batch)
         half = logps.shape[0] // 2
         chosen, rejected = logps[:half], logps[half:]
         ref_chosen = ref_rejected = None
@@ -212,6 +253,12 @@ class DPOTrainer(Trainer):
         if cfg.rpo_alpha:
             metrics["nll_loss"] = chosen_nll.detach().sum()
         return losses.sum() / normalizer, metrics
+
+    def summary_data(self) -> dict[str, Any]:
+        return {
+            **super().summary_data(),
+            "reference_seconds": getattr(self, "reference_seconds", None),
+        }
 
     def _metric_keys(self) -> list[str]:
         return ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies",

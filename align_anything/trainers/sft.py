@@ -10,6 +10,12 @@ import torch
 
 from align_anything.data import DataReport, collate_sft, encode_sft
 from align_anything.losses import IGNORE_INDEX
+from align_anything.shared_prompt import (
+    collate_shared_sft,
+    mask_dtype,
+    shared_prefix_logps,
+    supports_shared_prompt,
+)
 from align_anything.trainers.base import Trainer, completion_forward
 
 
@@ -29,19 +35,33 @@ class SFTTrainer(Trainer):
             rows = [{**row, "labels": list(row["input_ids"])} for row in rows]
         return rows, report
 
+    def after_engine(self) -> None:
+        self.share_prefix = self.cfg.sft.share_prefix and supports_shared_prompt(
+            self.engine.module.config
+        )
+
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if self.share_prefix:
+            batch = collate_shared_sft(
+                rows,
+                pad_id=self.tokenizer.pad_token_id,
+                additive_mask_dtype=mask_dtype(self.engine.module),
+            )
+            if batch is not None:
+                return batch
         return collate_sft(rows, pad_id=self.tokenizer.pad_token_id)
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> int:
+        if "score_targets" in batch:
+            return int(batch["score_targets"].numel())
         # Targets are labels[:, 1:] (position t predicts token t+1).
         return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
     def compute_loss(
         self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logp_sum, _ = completion_forward(
-            self.engine, batch, completion_only=self.completion_only_logits
-        )
+        forward = shared_prefix_logps if "score_targets" in batch else completion_forward
+        logp_sum, _ = forward(self.engine, batch, completion_only=self.completion_only_logits)
         nll = -logp_sum.sum()
         return nll / normalizer, {"loss": nll}
 

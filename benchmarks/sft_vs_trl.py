@@ -1,0 +1,63 @@
+"""SFT throughput, side by side: align_anything against TRL's SFTTrainer on identical work.
+
+    python benchmarks/sft_vs_trl.py                  # 3 steps × 8 conversations, 3 interleaved repeats
+    python benchmarks/sft_vs_trl.py --steps 2 --repeats 1
+
+Same model (smollm2-135m-instruct, fp32 on CPU), the same conversations (the first steps × batch
+of the built-in arith-sft set; TRL reads each as a conversational prompt-completion record, which
+its chat template renders to the same tokens) in the same order, the same batch, max_length,
+torch AdamW settings and constant learning rate, loss on the answer tokens only, averaged over
+every answer token of the batch (align_anything's `sft.assistant_only_loss`, TRL's
+`completion_only_loss`), the same number of optimizer steps, one process each. align_anything
+runs through its real entry point with ZeRO-0 (the fastest preset for one process); TRL with its
+defaults (gradient checkpointing on) and with gradient checkpointing off. Needs the `bench` extra
+(`pip install -e ".[bench]"`).
+"""
+
+from __future__ import annotations
+
+from common import (
+    Setup,
+    as_prompt_completion,
+    conversation_rows,
+    encoded_in_order,
+    main,
+)
+
+METRICS = [("step-1 loss", "loss")]
+
+
+def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float) -> Setup:
+    """The rows and token counts of one comparison (align_anything's encoding of them)."""
+    from align_anything.data import encode_sft
+    from align_anything.losses import IGNORE_INDEX
+
+    rows = conversation_rows("arith-sft", steps * batch)
+    encoded, order = encoded_in_order(
+        encode_sft, rows, max_length=max_length, batch=batch, steps=steps
+    )
+    # Per row: tokens, and answer tokens (TRL's completion_mask counts the same positions).
+    lengths = [
+        [len(encoded[i]["input_ids"]), sum(t != IGNORE_INDEX for t in encoded[i]["labels"])]
+        for i in order
+    ]
+    return Setup(
+        task="sft",
+        steps=steps,
+        batch=batch,
+        max_length=max_length,
+        learning_rate=learning_rate,
+        ours_rows=rows,
+        trl_rows=[as_prompt_completion(rows[i]) for i in order],
+        ours_variants={
+            "align_anything": [],
+            "align_anything plain": ["train.completion_only_logits=false"],
+        },
+        tokens=sum(length for length, _ in lengths),
+        token_lengths=lengths,
+        extra_overrides=["sft.assistant_only_loss=true"],
+    )
+
+
+if __name__ == "__main__":
+    main(build_setup, METRICS, doc=__doc__, batch_help="conversations per optimizer step")

@@ -1,0 +1,115 @@
+"""One TRL training run for the side-by-side benchmarks (started by dpo_vs_trl.py and
+sft_vs_trl.py in its own process, so that its peak RSS is its own).
+
+    python benchmarks/trl_child.py SPEC.json
+
+SPEC holds: task (dpo|sft), model_path, rows_path (JSONL in the order to train on), batch,
+steps, max_length, learning_rate, adam betas/eps, weight_decay, max_grad_norm, seed,
+gradient_checkpointing, beta (DPO), output_dir. Writes output_dir/result.json: per-step wall
+times (a callback around each optimizer step), the logged figures of every step, and the
+token length of every tokenised row (to compare with align_anything's encoding).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+
+class StepTimer(TrainerCallback):
+    """Wall time of each optimizer step (forward, backward, optimizer, logging)."""
+
+    def __init__(self) -> None:
+        self.step_seconds: list[float] = []
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN003
+        self.step_seconds.append(time.perf_counter() - self._start)
+
+
+def common_args(spec: dict[str, Any]) -> dict[str, Any]:
+    """TrainingArguments both TRL trainers take: the same optimizer maths as align_anything
+    (torch AdamW, constant learning rate, no warmup, clipping at max_grad_norm), fp32 on CPU,
+    the rows in the given order, a log line per step, nothing saved."""
+    return {
+        "output_dir": spec["output_dir"],
+        "per_device_train_batch_size": spec["batch"],
+        "gradient_accumulation_steps": 1,
+        "max_steps": spec["steps"],
+        "learning_rate": spec["learning_rate"],
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": spec["weight_decay"],
+        "adam_beta1": spec["adam_betas"][0],
+        "adam_beta2": spec["adam_betas"][1],
+        "adam_epsilon": spec["adam_eps"],
+        "max_grad_norm": spec["max_grad_norm"],
+        "optim": "adamw_torch",
+        "bf16": False,
+        "fp16": False,
+        "use_cpu": True,
+        "seed": spec["seed"],
+        "gradient_checkpointing": spec["gradient_checkpointing"],
+        "train_sampling_strategy": "sequential",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "max_length": spec["max_length"],
+    }
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    rows = [json.loads(line) for line in Path(spec["rows_path"]).read_text().splitlines() if line]
+    torch.manual_seed(spec["seed"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    timer = StepTimer()
+    dataset = Dataset.from_list(rows)
+    if spec["task"] == "dpo":
+        from trl import DPOConfig, DPOTrainer
+
+        args = DPOConfig(**common_args(spec), beta=spec["beta"], loss_type=["sigmoid"])
+        trainer = DPOTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+            callbacks=[timer],
+        )  # fmt: skip
+        encoded = trainer.train_dataset
+        lengths = [
+            [
+                len(r["prompt_ids"]) + len(r["chosen_ids"]),
+                len(r["prompt_ids"]) + len(r["rejected_ids"]),
+            ]
+            for r in encoded
+        ]
+    else:
+        from trl import SFTConfig, SFTTrainer
+
+        args = SFTConfig(**common_args(spec), completion_only_loss=True, packing=False)
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+            callbacks=[timer],
+        )  # fmt: skip
+        encoded = trainer.train_dataset
+        # TRL folds its completion mask into `labels` (-100 outside the completion).
+        lengths = [[len(r["input_ids"]), sum(t != -100 for t in r["labels"])] for r in encoded]
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    result = {"step_seconds": timer.step_seconds, "logs": logs, "token_lengths": lengths}
+    (Path(spec["output_dir"]) / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

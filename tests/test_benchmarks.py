@@ -1,0 +1,87 @@
+"""The benchmark scripts import, and their shared helpers do what the comparisons rely on (same
+rows, same order, same token counts, the ratio arithmetic, the MFU formula). The benchmarks
+themselves are not run here: speed is measured in benchmarks/, never asserted in tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import common  # noqa: E402
+import dpo_vs_trl  # noqa: E402
+import gpu_bench  # noqa: E402
+import sft_vs_trl  # noqa: E402
+import trl_child  # noqa: E402, F401  (imports without TRL: TRL is imported inside main)
+
+from align_anything.trainers.base import step_indices  # noqa: E402
+
+
+def test_training_order_is_the_trainers_step_batches() -> None:
+    order = common.training_order(12, batch=4, steps=3, seed=42)
+    assert sorted(order) == list(range(12))  # one epoch: every row once
+    for step in range(3):
+        expected = step_indices(12, global_batch=4, seed=42, epoch=0, step=step)
+        assert order[step * 4 : (step + 1) * 4] == expected
+
+
+def test_rows_are_the_first_n_of_the_builtin_sets() -> None:
+    pairs = common.preference_rows("arith-pref", 3)
+    first = common.read_jsonl(common.builtin_path("arith-pref"))[0]
+    assert pairs[0]["prompt"] == [{"role": "user", "content": first["prompt"]}]
+    assert pairs[0]["chosen"] == [{"role": "assistant", "content": first["chosen"]}]
+    assert len(pairs) == 3
+    with pytest.raises(SystemExit, match="fewer than"):
+        common.preference_rows("arith-pref", 10_000)
+    chat = common.conversation_rows("arith-sft", 2)[1]
+    record = common.as_prompt_completion(chat)
+    assert record["prompt"] + record["completion"] == chat["messages"]
+    with pytest.raises(ValueError, match="ends with its only assistant turn"):
+        common.as_prompt_completion({"messages": chat["messages"][:1]})
+
+
+@pytest.mark.parametrize("module", [dpo_vs_trl, sft_vs_trl])
+def test_setup_orders_rows_and_counts_tokens(module) -> None:
+    setup = module.build_setup(steps=2, batch=2, max_length=128, learning_rate=1e-5)
+    order = common.training_order(4, batch=2, steps=2)
+    assert len(setup.trl_rows) == len(setup.token_lengths) == 4
+    if module is dpo_vs_trl:
+        assert setup.trl_rows == [setup.ours_rows[i] for i in order]
+        assert setup.tokens == sum(sum(pair) for pair in setup.token_lengths)
+    else:
+        assert setup.trl_rows == [common.as_prompt_completion(setup.ours_rows[i]) for i in order]
+        assert setup.tokens == sum(length for length, _ in setup.token_lengths)
+    assert setup.tokens > 4 * 30  # SmolLM2's template adds a ~30-token system prompt
+
+
+def _record(name: str, seconds: float, rss: float, loss: float) -> common.RunRecord:
+    return common.RunRecord(name, seconds, [seconds], 0, rss, {"loss": loss})
+
+
+def test_summary_table_ratios() -> None:
+    records = {
+        "ours": [_record("ours", 10.0, 1000.0, 0.5), _record("ours", 12.0, 1100.0, 0.5)],
+        "peer": [_record("peer", 30.0, 1200.0, 0.5), _record("peer", 33.0, 1300.0, 0.5)],
+    }
+    table = common.summary_table(
+        records, steps=2, tokens=1000, ours="ours", metrics=[("l", "loss")]
+    )
+    ours_row, peer_row = table.splitlines()[2:]
+    # Medians: ours 11 s, 1050 MiB; peer 31.5 s, 1250 MiB.
+    assert ours_row.split(" | ")[1:4] == ["0.1818", "90.9", "1050"]
+    assert peer_row.split(" | ")[4:6] == ["2.86×", "0.84"]
+
+
+def test_gpu_flops_and_peaks() -> None:
+    # 6·N + 12·layers·hidden·seq: 6·1e9 + 12·24·1536·2048.
+    assert gpu_bench.flops_per_token(10**9, layers=24, hidden=1536, seq_len=2048) == (
+        6e9 + 12 * 24 * 1536 * 2048
+    )
+    assert gpu_bench.peak_tflops("NVIDIA H200") == 989.4
+    assert gpu_bench.peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert gpu_bench.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_bench.peak_tflops("Some Future GPU") is None

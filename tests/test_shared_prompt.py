@@ -1,0 +1,126 @@
+"""Shared-prompt DPO rows give the numbers of the plain two-rows-per-pair path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from align_anything.data import collate_preference
+from align_anything.models import resolve_model_path
+from align_anything.shared_prompt import (
+    collate_shared_prompt,
+    shared_prefix_logps,
+    supports_shared_prompt,
+)
+from align_anything.trainers.base import completion_forward
+
+# Three pairs of different prompt and answer lengths (ids from the tiny vocabulary), so that
+# rows are padded differently in the two layouts.
+ROWS = [
+    {"prompt_ids": [5, 6, 7, 8, 9], "chosen_ids": [10, 11, 12], "rejected_ids": [13, 14]},
+    {"prompt_ids": [20, 21], "chosen_ids": [22], "rejected_ids": [23, 24, 25, 26]},
+    {"prompt_ids": [30, 31, 32], "chosen_ids": [33, 34], "rejected_ids": [33, 35]},
+]
+
+
+def _model(attn: str) -> torch.nn.Module:
+    path = resolve_model_path("tiny-random-llama")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+
+
+def _run(model: torch.nn.Module, shared: bool, completion_only: bool):
+    model.zero_grad()
+    if shared:
+        eager = model.config._attn_implementation == "eager"
+        batch = collate_shared_prompt(
+            ROWS, pad_id=0, additive_mask_dtype=torch.float32 if eager else None
+        )
+        sums, counts = shared_prefix_logps(model, batch, completion_only=completion_only)
+    else:
+        batch = collate_preference(ROWS, pad_id=0)
+        sums, counts = completion_forward(model, batch, completion_only=completion_only)
+    # A loss that weighs chosen and rejected differently, so a swapped layout would show.
+    (sums * torch.linspace(1.0, 2.0, sums.shape[0])).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return sums.detach(), counts, grads
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("completion_only", [True, False])
+def test_shared_prompt_equals_plain_pairs(attn: str, completion_only: bool) -> None:
+    model = _model(attn)
+    assert supports_shared_prompt(model.config)
+    plain = _run(model, shared=False, completion_only=completion_only)
+    shared = _run(model, shared=True, completion_only=completion_only)
+    # Counts per sequence: chosen 3, 1, 2, then rejected 2, 4, 2.
+    assert plain[1].tolist() == shared[1].tolist() == [3, 1, 2, 2, 4, 2]
+    torch.testing.assert_close(shared[0], plain[0], rtol=1e-5, atol=1e-5)
+    assert plain[2].keys() == shared[2].keys()
+    # Gradients are sums over many tokens in another order: compare relative to their scale.
+    for name, grad in plain[2].items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(shared[2][name], grad, rtol=0, atol=1e-5 * scale, msg=name)
+
+
+def test_shared_prompt_layout() -> None:
+    batch = collate_shared_prompt(ROWS[:2], pad_id=0, additive_mask_dtype=None)
+    # Row 1: prompt [20, 21] at positions 0-1, chosen [22] at 2, rejected [23..26] at 2-5.
+    assert batch["input_ids"][1].tolist() == [20, 21, 22, 23, 24, 25, 26, 0, 0, 0]
+    assert batch["position_ids"][1, :7].tolist() == [0, 1, 2, 2, 3, 4, 5]
+    mask = batch["shared_prefix_mask"][1, 0]
+    assert mask[3, :3].tolist() == [True, True, False]  # rejected sees the prompt, not chosen
+    assert mask[2, :3].tolist() == [True, True, True]  # chosen sees the prompt and itself
+    assert mask[8].tolist() == [False] * 8 + [True, False]  # padding sees only itself
+    # Both answers' first tokens are predicted from the last prompt position (index 1).
+    width = batch["input_ids"].shape[1]
+    row1 = [(p - width, t) for p, t, s in zip(*(batch[k].tolist() for k in (
+        "score_positions", "score_targets", "score_sequences")), strict=True) if s in (1, 3)]  # fmt: skip
+    assert row1 == [(1, 22), (1, 23), (3, 24), (4, 25), (5, 26)]
+
+
+def test_shared_sft_prefix_equals_plain_rows() -> None:
+    """An SFT micro-batch as one row (common unscored prefix once) gives the plain path's
+    per-row sums, counts and gradients."""
+    from align_anything.data import collate_sft
+    from align_anything.losses import IGNORE_INDEX
+    from align_anything.shared_prompt import collate_shared_sft, common_unscored_prefix
+
+    ignore = IGNORE_INDEX
+    rows = [  # common prefix [5, 6, 7]; scored tokens start after it
+        {"input_ids": [5, 6, 7, 8, 40, 41], "labels": [ignore] * 4 + [40, 41]},
+        {"input_ids": [5, 6, 7, 9, 50], "labels": [ignore] * 4 + [50]},
+        {"input_ids": [5, 6, 7, 8, 60, 61, 62], "labels": [ignore] * 4 + [60, 61, 62]},
+    ]
+    ids, labels = [r["input_ids"] for r in rows], [r["labels"] for r in rows]
+    assert common_unscored_prefix(ids, labels) == 3
+    # A scored target inside the common prefix ends the prefix before it.
+    assert common_unscored_prefix(ids, [[ignore, ignore, 7, *lab[3:]] for lab in labels]) == 2
+    model = _model("sdpa")
+    results = []
+    for shared in (False, True):
+        model.zero_grad()
+        if shared:
+            batch = collate_shared_sft(rows, pad_id=0, additive_mask_dtype=None)
+            assert batch["input_ids"].shape == (1, 3 + 3 + 2 + 4)
+            sums, counts = shared_prefix_logps(model, batch, completion_only=True)
+        else:
+            batch = collate_sft(rows, pad_id=0)
+            sums, counts = completion_forward(model, batch, completion_only=True)
+        (sums * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((sums.detach(), counts, grads))
+    (plain_sums, plain_counts, plain_grads), (sums, counts, grads) = results
+    assert counts.tolist() == plain_counts.tolist() == [2, 1, 3]
+    torch.testing.assert_close(sums, plain_sums, rtol=1e-5, atol=1e-5)
+    for name, grad in plain_grads.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5 * scale, msg=name)
+    # Nothing to share: a single row, or rows without a common prefix of two tokens.
+    assert collate_shared_sft(rows[:1], pad_id=0, additive_mask_dtype=None) is None
+    other = {"input_ids": [1, 6, 7, 8], "labels": [ignore, ignore, ignore, 8]}
+    assert collate_shared_sft([rows[0], other], pad_id=0, additive_mask_dtype=None) is None
+    # A prefix of 3 in rows of 20 saves 3 of 40 tokens: below MIN_SAVED_SHARE, not worth it.
+    long_rows = [{"input_ids": [5, 6, 7, *range(10 + k, 27 + k)],
+                  "labels": [ignore] * 3 + list(range(10 + k, 27 + k))} for k in (0, 100)]  # fmt: skip
+    assert collate_shared_sft(long_rows, pad_id=0, additive_mask_dtype=None) is None
