@@ -39,7 +39,7 @@ class StepTimer(TrainerCallback):
 
 def common_args(spec: dict[str, Any]) -> dict[str, Any]:
     """TrainingArguments both TRL trainers take: the same optimizer maths as align_anything
-    (torch AdamW, constant learning rate, no warmup, clipping at max_grad_norm), fp32 on CPU,
+    (torch AdamW, its fused kernel when asked; constant learning rate, no warmup, clipping at max_grad_norm), fp32 on CPU,
     the rows in the given order, a log line per step, nothing saved."""
     return {
         "output_dir": spec["output_dir"],
@@ -54,7 +54,7 @@ def common_args(spec: dict[str, Any]) -> dict[str, Any]:
         "adam_beta2": spec["adam_betas"][1],
         "adam_epsilon": spec["adam_eps"],
         "max_grad_norm": spec["max_grad_norm"],
-        "optim": "adamw_torch",
+        "optim": spec.get("optim", "adamw_torch"),
         "bf16": False,
         "fp16": False,
         "use_cpu": True,
