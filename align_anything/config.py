@@ -211,7 +211,6 @@ class CheckpointConfig(_Section):
         True,
         description="Export `output_dir/final` as a Hugging Face folder (safetensors + tokenizer).",
     )
-    # Resume even if the model, tokenizer or training data differ from the checkpoint's.
     allow_mismatch: bool = Field(
         False,
         description="Resume even if the model, tokenizer or training data differ from the checkpoint's.",

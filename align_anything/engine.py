@@ -968,16 +968,11 @@ def checkpoint_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
 
 def memory_summary() -> str:
     """Allocated/peak device memory, or the process RSS on CPU."""
+    peak = peak_memory_bytes() / 2**30
     acc = get_accelerator()
     if acc.device_name() == "cuda":
-        return (
-            f"{acc.memory_allocated() / 2**30:.2f} GiB allocated, "
-            f"{acc.max_memory_allocated() / 2**30:.2f} GiB peak"
-        )
-    import resource
-
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return f"peak RSS {peak_kib / 2**20:.2f} GiB"
+        return f"{acc.memory_allocated() / 2**30:.2f} GiB allocated, {peak:.2f} GiB peak"
+    return f"peak RSS {peak:.2f} GiB"
 
 
 def deepspeed_model_state_estimate(

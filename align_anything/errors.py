@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Iterable
 
 
@@ -42,3 +43,9 @@ class Preempted(Exception):  # noqa: N818 (not an error: a requested stop)
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)
         self.signum = signum
+
+
+def report(err: UserError) -> int:
+    """Print a user error the way every command-line tool here does; returns the exit status."""
+    print(f"error: {err}", file=sys.stderr)
+    return 2

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from align_anything.errors import ConfigError, UserError
+from align_anything.errors import ConfigError, UserError, report
 
 
 def export_checkpoint(checkpoint: str, out: str) -> Path:
@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = export_checkpoint(args.checkpoint, args.out)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     print(f"exported {args.checkpoint} -> {target}")
     return 0
 

@@ -15,10 +15,8 @@ run needs around it:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +99,6 @@ def adapter_summary(module: Any) -> str:
     )
 
 
-@contextlib.contextmanager
-def adapters_disabled(module: Any) -> Iterator[None]:
-    """The base model's behaviour: adapters off (and, for a reward model, the original score
-    head), restored afterwards."""
-    with module.disable_adapter():
-        yield
-
-
 class AdapterDisabledReference:
     """The DPO reference of a LoRA run: the policy engine itself, in eval mode, with adapters
     disabled. Called like a model; no second copy of the weights exists."""
@@ -121,7 +111,7 @@ class AdapterDisabledReference:
         was_training = self.engine.module.training
         self.engine.eval()
         try:
-            with adapters_disabled(self.engine.module):
+            with self.engine.module.disable_adapter():  # PEFT: the base model's behaviour
                 return self.engine(*args, **kwargs)
         finally:
             if was_training:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from align_anything.config import RunConfig, load_config, load_preset
-from align_anything.errors import ConfigError, UserError
+from align_anything.errors import ConfigError, UserError, report
 
 # Lowest communication first: the order `deepspeed=auto` tries them in.
 PRESET_ORDER = ("z0", "z2", "z3", "z3_offload")
@@ -76,7 +76,9 @@ def model_sizes(cfg: RunConfig) -> ModelSizes:
 
     from align_anything import lora, models
 
-    config = models.load_config(cfg.model.name_or_path, trust_remote_code=False)
+    config = models.load_config(
+        cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
+    )
     with torch.device("meta"):
         if cfg.task == "rm":
             config.num_labels = 1
@@ -102,12 +104,6 @@ def model_sizes(cfg: RunConfig) -> ModelSizes:
         layers=int(text.num_hidden_layers),
         vocab=int(text.vocab_size),
     )
-
-
-def _precision(cfg: RunConfig, device: str) -> str:
-    from align_anything.engine import resolve_precision
-
-    return resolve_precision(cfg.train.precision, device)
 
 
 def estimate_preset(
@@ -158,7 +154,6 @@ def estimate_preset(
             weights = 4.0 * sizes.largest_layer
         device = weights + grads + states
         source = "by hand (fp32)" if precision == "fp32" else "by hand (LoRA)"
-    paper_per_param = {0: 16.0, 1: 4 + 12 / n, 2: 2 + 14 / n}.get(stage, 16 / n)
     reference = 0.0
     if cfg.task == "dpo" and not cfg.model.lora.enabled:
         from align_anything.losses import REFERENCE_FREE_LOSS_TYPES
@@ -181,7 +176,7 @@ def estimate_preset(
         host=float(host),
         reference=reference,
         activations=float(activations),
-        paper=paper_per_param * sizes.total,
+        paper=eng.estimate_model_state_memory(sizes.total, stage, n, offload=False) * GIB,
         source=source,
     )
 
@@ -207,7 +202,9 @@ def plan(
         world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     )
     sizes = model_sizes(cfg)
-    precision = _precision(cfg, device)
+    from align_anything.engine import resolve_precision
+
+    precision = resolve_precision(cfg.train.precision, device)
     estimates = []
     for name in PRESET_ORDER:
         preset, _ = load_preset(name)
@@ -302,8 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg, world_size=world, gpus_per_node=args.gpus_per_node
         )
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     print(format_table(estimates, budget, source, sizes, cfg=cfg, world_size=world))
     return 0
 

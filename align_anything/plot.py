@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from align_anything.errors import DataError, UserError
+from align_anything.errors import DataError, UserError, report
 
 # Logged figures that describe the run's mechanics rather than what the model learns.
 NOT_TASK_METRICS = frozenset(
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         written = plot_run(Path(args.run), Path(args.out) if args.out else None)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     print(f"wrote {written}")
     return 0
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from align_anything.config import available_presets, preset_path
-from align_anything.errors import ConfigError, UserError, did_you_mean
+from align_anything.errors import ConfigError, UserError, did_you_mean, report
 
 # One line per shipped preset: when to pick it. A test keeps this in step with the folder.
 WHEN_TO_USE: dict[str, str] = {
@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"wrote {export_preset(args.name, args.directory)}")
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     return 0
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from align_anything.errors import DataError, ModelError, UserError
+from align_anything.errors import DataError, ModelError, UserError, report
 
 
 def _messages(row: dict[str, Any], index: int) -> list[dict[str, str]]:
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model, rows, batch_size=args.batch_size, max_length=args.max_length
         )
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return report(err)
     out = open(args.out, "w", encoding="utf-8") if args.out else sys.stdout
     try:
         for row, value in zip(rows, scores, strict=True):
