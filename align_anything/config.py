@@ -167,6 +167,10 @@ class TrainSection(_Section):
         True,
         description="Project only completion positions onto the vocabulary (same loss, less compute).",
     )
+    tied_grads_in_place: bool = Field(
+        True,
+        description="A tied input embedding/LM head accumulates its gradient in one buffer, not three (same gradient, less peak memory; ZeRO-0 in fp32 only).",
+    )
     ema: EMASection = Field(
         default_factory=EMASection, description="A moving average of the weights (final-ema/)."
     )

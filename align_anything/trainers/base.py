@@ -295,7 +295,13 @@ class Trainer:
             total_steps=self.total_steps,
             warmup_steps=math.ceil(cfg.train.warmup_ratio * self.total_steps),
             load_universal=bool(self._resume_universal),
+            tied_grads_in_place=cfg.train.tied_grads_in_place,
         )
+        if self.engine.tied_grads_in_place:
+            self.summary_lines.append(
+                "  tied embedding  input embedding and LM head share one matrix: its gradient "
+                "accumulates in place (train.tied_grads_in_place)"
+            )
         self.completion_only_logits = cfg.train.completion_only_logits and supports_logits_to_keep(
             self.engine.module
         )
