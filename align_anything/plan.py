@@ -91,9 +91,20 @@ def model_sizes(cfg: RunConfig) -> ModelSizes:
                 model, r=adapters.r, alpha=adapters.alpha, dropout=adapters.dropout,
                 target_modules=adapters.target_modules, sequence_classification=cfg.task == "rm",
             )  # fmt: skip
+    return sizes_of(model, config)
+
+
+def sizes_of(model: torch.nn.Module, config: Any) -> ModelSizes:
+    """Parameter counts of a built model (on the meta device, or a run's partitioned model:
+    ZeRO-3 parameters report `ds_numel`) and the text model's dimensions from its config."""
+    from align_anything import models
+
+    def numel(param: torch.nn.Parameter) -> int:
+        return getattr(param, "ds_numel", None) or param.numel()
+
     trainable, frozen = models.count_parameters(model)
     largest = max(
-        (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0
+        (sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0
     )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelSizes(

@@ -106,6 +106,11 @@ def test_train_with_auto_follows_the_planner(tmp_path: Path) -> None:
     ).check()  # fmt: skip
     assert run.zero_stage() == 3
     assert run.summary_line("deepspeed=auto").startswith("z3_offload: estimated")
+    # The start-up summary's memory line is the planner's figure for the chosen preset.
+    chosen = by_name["z3_offload"]
+    assert run.summary_line("memory plan").startswith(
+        f"≈ {chosen.total / GIB:.2f} GiB per device = model states {chosen.model_states / GIB:.2f}"
+    )
     saved = json.loads((tmp_path / "auto" / "run_config.json").read_text())
     assert saved["deepspeed_source"].endswith("ds_z3_offload_config.json")
     zero = saved["deepspeed"]["zero_optimization"]

@@ -482,9 +482,7 @@ class Trainer:
             offload.append("optimizer")
         if eng.offloads_params(self.ds_config):
             offload.append("parameters")
-        estimate = eng.estimate_model_state_memory(
-            trainable + frozen, stage, plan.world_size, bool(offload)
-        )
+        memory_plan = self._memory_plan()
         parts = []  # per-part sizes, for multimodal models and frozen parts
         if self.media is not None or cfg.model.freeze:
             counts = multimodal.part_counts(self.engine.module)
@@ -502,8 +500,7 @@ class Trainer:
             + f" ({Path(cfg.deepspeed_source).name})",
             f"  precision       {self.precision}",
             f"  ds config       {json.dumps(self.ds_config, separators=(',', ':'))}",
-            f"  memory plan     model states ≈ {estimate:.2f} GiB per device "
-            f"(mixed-precision Adam, ZeRO-{stage}); now {eng.memory_summary()}",
+            f"  memory plan     {memory_plan}; now {eng.memory_summary()}",
             *parts,
             *self.summary_lines,
             *(f"  data            {r.summary()}" for r in self.data_reports),
@@ -517,6 +514,29 @@ class Trainer:
                     f"                  via a universal checkpoint: {self._resume_universal}"
                 )
         print("\n".join(lines), flush=True)
+
+    def _memory_plan(self) -> str:
+        """The planner's per-device estimate for this run's resolved preset (the figure
+        `python -m align_anything.plan` and `deepspeed=auto` use)."""
+        from align_anything import plan
+
+        sizes = plan.sizes_of(self.engine.module, self.model_config)
+        world = self.batch_plan.world_size
+        estimate = plan.estimate_preset(
+            Path(self.cfg.deepspeed_source).stem, self.ds_config, sizes, self.cfg,
+            world_size=world, precision=self.precision,
+            gpus_per_node=min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))),
+        )  # fmt: skip
+        gib = plan.GIB
+        parts = [f"model states {estimate.model_states / gib:.2f}"]
+        if estimate.reference:
+            parts.append(f"reference {estimate.reference / gib:.2f}")
+        parts.append(f"activations {estimate.activations / gib:.2f}")
+        host = f", host {estimate.host / gib:.2f} GiB per node" if estimate.host else ""
+        return (
+            f"≈ {estimate.total / gib:.2f} GiB per device = {' + '.join(parts)} "
+            f"(states {estimate.source}){host}"
+        )
 
     def _write_resolved_config(self, directory: Path) -> None:
         (directory / "run_config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
