@@ -528,6 +528,10 @@ def lr_lambda(schedule: str, *, total_steps: int, warmup_steps: int) -> Callable
     return factor
 
 
+# Elements per gradient all-reduce under ZeRO-0 (100 MB in fp32; torch DDP's buckets are 25 MB).
+STAGE0_ALLREDUCE_BUCKET = 25_000_000
+
+
 def _plain_gradients(engine: Any) -> bool:
     """True when gradients are the parameters' own `.grad`, read only after the backward pass:
     ZeRO stage 0 with the torch optimizer in fp32. ZeRO-1/2/3 and the fp16/bf16 optimizers
@@ -581,10 +585,13 @@ class Engine:
             config=ds_config,
         )
         plain = _plain_gradients(self.engine)
-        if plain and self.engine.dp_world_size == 1:
-            # With one data-parallel rank, DeepSpeed's stage-0 "all-reduce" still flattens every
-            # gradient into one buffer and copies it back: a full extra copy of the gradients at
-            # the peak (540 MB for a 135M fp32 model) and two memcpys, for an identity.
+        # DeepSpeed's stage-0 all-reduce flattens the gradients into buckets of 500M elements,
+        # so for any model below that it copies every gradient into one buffer (540 MB for a
+        # 135M fp32 model, at the peak) and back. With one data-parallel rank that is all it
+        # does: skip it. With more, the wrapper reduces in buckets of STAGE0_ALLREDUCE_BUCKET
+        # itself (the same sums, element by element).
+        self._reduce_in_buckets = plain and self.engine.dp_world_size > 1
+        if plain:
             self.engine.enable_backward_allreduce = False
         # Whether a tied embedding/LM head now accumulates its gradient in place.
         self.tied_grads_in_place = (
@@ -619,6 +626,9 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
+        if self._reduce_in_buckets:
+            # Reduces only at the accumulation boundary (DeepSpeed checks), as its own call would.
+            self.engine.allreduce_gradients(bucket_size=STAGE0_ALLREDUCE_BUCKET)
 
     def step(self) -> None:
         """Optimizer step at the accumulation boundary (DeepSpeed counts micro-steps)."""
