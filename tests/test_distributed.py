@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RECIPE_STEPS, SFT_ARGS, RunResult, launch
+from conftest import RECIPE_STEPS, RM_ARGS, SFT_ARGS, RunResult, launch
 
 # Largest |loss difference| allowed between splits of the same global batch. Observed here:
 # ≤ 6e-7 (SFT loss ≈ 10.5, DPO ≈ 0.69); the console prints 4 decimals.
@@ -137,3 +137,20 @@ def test_dpo_zero3_export_holds_the_trained_weights(
     after = run.eval("after")
     assert logps[:8].mean().item() == pytest.approx(after["eval/logps/chosen"], rel=1e-5)
     assert logps[8:].mean().item() == pytest.approx(after["eval/logps/rejected"], rel=1e-5)
+
+
+def test_rm_new_score_head_is_the_same_on_every_stage(rm_single: RunResult, runs_dir: Path) -> None:
+    """A reward model built from a causal LM gets a new, randomly initialised score head; 2
+    ranks under ZeRO-3 (head built under zero.Init, partitioned) start from the same head as 1
+    rank under ZeRO-0, so the eval before training and every step's loss agree."""
+    run = launch(
+        [*RM_ARGS, "deepspeed=z3", "train.per_device_batch_size=2"],
+        runs_dir / "rm-2rank-z3",
+        launcher="deepspeed",
+        nproc=2,
+    ).check()
+    assert run.zero_stage() == 3
+    before, expected = run.eval("before"), rm_single.check().eval("before")
+    assert before["eval/loss"] == pytest.approx(expected["eval/loss"], rel=1e-5)
+    assert before["eval/accuracy"] == expected["eval/accuracy"]
+    _assert_same_losses(run, rm_single, "RM z3 2 ranks")
