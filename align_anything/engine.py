@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from align_anything import tied_embeddings
+from align_anything import atomic, tied_embeddings
 from align_anything.errors import ConfigError
 
 # DeepSpeed prints an INFO line for nearly everything; keep warnings and errors.
@@ -853,7 +853,7 @@ def convert_to_universal(checkpoint_dir: Path) -> Path:
                 ds_to_universal.main(args)
             _link_model_states_for_every_stage(tmp)
             _add_stage3_optimizer_globals(tmp)
-            os.replace(tmp, final)
+            atomic.publish(tmp, final)
             shutil.rmtree(fixed_input, ignore_errors=True)
             # ds_to_universal points `latest_universal` at its output folder (the temporary name).
             (checkpoint_dir / "latest_universal").write_text(UNIVERSAL_TAG)

@@ -15,13 +15,12 @@ run needs around it:
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from align_anything import atomic
 from align_anything.errors import ConfigError
 
 # Module-name parts that belong to a multimodal model's encoders or projector, which the default
@@ -151,14 +150,11 @@ def merge_adapter_folder(adapter_dir: Path, base_path: str, out: Path, *, task: 
 
 
 def write_hf_folder(model: Any, tokenizer: Any, out: Path) -> Path:
-    """`save_pretrained` model + tokenizer into `out` atomically (temporary folder, rename)."""
+    """`save_pretrained` model + tokenizer into `out`, atomically (align_anything/atomic.py)."""
     out = Path(out)
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    with atomic.folder(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
     return out
 
 

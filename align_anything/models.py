@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from align_anything import atomic
 from align_anything.errors import ModelError, did_you_mean
 
 
@@ -144,7 +145,7 @@ def _materialise(name: str) -> Path:
             (tmp / "align_anything_builtin.json").write_text(
                 json.dumps({"name": name, "version": version})
             )
-            os.replace(tmp, target)
+            atomic.publish(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -23,8 +23,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from align_anything import atomic, lora, models, multimodal
 from align_anything import engine as eng
-from align_anything import lora, models, multimodal
 from align_anything.config import AUTO_PRESET, RunConfig, load_preset, merge_nested
 from align_anything.data import DataReport, load_records, split_records
 from align_anything.ema import WeightEMA
@@ -825,7 +825,7 @@ class Trainer:
         ranks the failing rank exits and the launcher ends the others."""
         root = self._checkpoint_root()
         final = root / f"{CHECKPOINT_PREFIX}{self.step}"
-        tmp = root / f".tmp-{CHECKPOINT_PREFIX}{self.step}"
+        tmp = atomic.temporary_sibling(final)
         try:
             self._write_checkpoint(tmp, final)
         except OSError as err:
@@ -875,9 +875,7 @@ class Trainer:
                 **self._fingerprints(),
             }
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            atomic.publish(tmp, final)
 
     def _fingerprints(self) -> dict[str, str]:
         """Hashes that tell whether a resumed run trains on what the checkpoint saw: the
@@ -992,17 +990,14 @@ class Trainer:
     def _write_final(self, final: Path, state: dict[str, torch.Tensor] | None) -> None:
         """Write a Hugging Face folder from a full state dict (rank 0): the model (or, for a
         LoRA run, the adapter) as safetensors, the tokenizer and the resolved config."""
-        tmp = final.with_name(f".tmp-{final.name}")
-        shutil.rmtree(tmp, ignore_errors=True)
         module = self.export_module()
-        if lora.is_peft_model(module):
-            lora.save_adapter(module, state, tmp)
-        else:
-            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        (self.processor or self.tokenizer).save_pretrained(tmp)
-        self._write_resolved_config(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        with atomic.folder(final) as tmp:
+            if lora.is_peft_model(module):
+                lora.save_adapter(module, state, tmp)
+            else:
+                module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            (self.processor or self.tokenizer).save_pretrained(tmp)
+            self._write_resolved_config(tmp)
 
     def export_module(self) -> Any:
         return self.engine.module
