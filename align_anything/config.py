@@ -167,6 +167,10 @@ class TrainSection(_Section):
         True,
         description="Project only completion positions onto the vocabulary (same loss, less compute).",
     )
+    group_by_length: bool = Field(
+        True,
+        description="With gradient accumulation, each step's micro-batches take rows of similar length (less padding; the step's rows and gradient are unchanged).",
+    )
     tied_grads_in_place: bool = Field(
         True,
         description="A tied input embedding/LM head accumulates its gradient in one buffer, not three (same gradient, less peak memory; ZeRO-0 in fp32 only).",

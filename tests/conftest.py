@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The real preference set beside the checkout (../shared/data; not copied into the repo).
+HH_FILE = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 BIN_DIR = Path(sys.executable).parent
 # The venv's tools (deepspeed, torchrun, ninja) go *after* the rest of PATH, for this process and
 # every run it starts: DeepSpeed compiles its CPU ops with whichever ninja comes first, and two

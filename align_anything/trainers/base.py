@@ -53,6 +53,19 @@ def step_indices(
     return order[step * global_batch : (step + 1) * global_batch].tolist()
 
 
+def row_tokens(row: dict[str, Any]) -> int:
+    """Tokens an encoded row puts through the model (every id list it carries: an SFT row's
+    `input_ids`, a pair's prompt, chosen and rejected ids)."""
+    return sum(len(v) for k, v in row.items() if k.endswith("ids") and isinstance(v, list))
+
+
+def group_by_length(indices: list[int], lengths: list[int]) -> list[int]:
+    """The same rows, longest first (ties keep their order): cut into micro-batches by
+    `rank_micro_batches`, each micro-batch then holds rows of similar length, so padding to its
+    longest row costs little, and the ranks of one micro-step get neighbouring lengths."""
+    return sorted(indices, key=lambda i: -lengths[i])
+
+
 def rank_micro_batches(
     indices: list[int], *, micro: int, accum: int, world: int, rank: int
 ) -> list[list[int]]:
@@ -416,6 +429,7 @@ class Trainer:
                 f"no usable training rows in {cfg.path}:\n"
                 + "\n".join(r.summary() for r in self.data_reports)
             )
+        self._row_lengths = [row_tokens(row) for row in self.train_rows]
 
     def _prepare_media(self, records: list[dict], source: str) -> list[dict]:
         """Check media and write their placeholders into the text (multimodal models); a text
@@ -554,6 +568,10 @@ class Trainer:
             epoch=epoch,
             step=in_epoch,
         )
+        if self.cfg.train.group_by_length and plan.grad_accum > 1:
+            # Without accumulation each rank pads only within its one micro-batch already, and
+            # sorting would only hand rank 0 all the longest rows.
+            indices = group_by_length(indices, self._row_lengths)
         slices = rank_micro_batches(
             indices,
             micro=plan.micro_batch,
