@@ -167,6 +167,10 @@ class TrainSection(_Section):
         True,
         description="Project only completion positions onto the vocabulary (same loss, less compute).",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each layer's activations in the backward pass: activation memory of about one layer instead of all, for about a third more compute.",
+    )
     group_by_length: bool = Field(
         True,
         description="With gradient accumulation, each step's micro-batches take rows of similar length (less padding; the step's rows and gradient are unchanged).",

@@ -286,6 +286,8 @@ class Trainer:
         self.memory_before_model = eng.peak_memory_bytes()
         with eng.model_init_context(self.ds_config):
             model = self.build_model()
+        if cfg.train.gradient_checkpointing:
+            self._enable_gradient_checkpointing(model)
         # Before the engine: DeepSpeed partitions and builds optimizer state for trainable ones.
         multimodal.freeze_parts(model, cfg.model.freeze, model_name=cfg.model.name_or_path)
         if cfg.model.lora.enabled:
@@ -336,6 +338,22 @@ class Trainer:
             )
             self._write_resolved_config(self.output_dir)
             self._print_summary()
+
+    def _enable_gradient_checkpointing(self, model: torch.nn.Module) -> None:
+        """transformers' activation checkpointing, non-reentrant (works with frozen inputs, so
+        with LoRA and frozen parts, and under ZeRO-3)."""
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(
+                f"train.gradient_checkpointing=true: {type(model).__name__} "
+                f"({self.cfg.model.name_or_path}) does not support gradient checkpointing in "
+                "transformers; set train.gradient_checkpointing=false (and lower "
+                "train.per_device_batch_size or data.max_length if memory is short)"
+            )
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.summary_lines.append(
+            "  checkpointing   each layer's activations recomputed in the backward pass "
+            "(train.gradient_checkpointing)"
+        )
 
     def _choose_preset(self) -> None:
         """deepspeed=auto: the lowest ZeRO stage whose memory estimate fits (plan.py), decided
