@@ -51,10 +51,14 @@ def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float
         trl_rows=[rows[i] for i in order],
         ours_variants={
             "align_anything": [],
+            # Every switchable optimisation off: the plain two-rows-per-pair path.
             "align_anything plain": [
                 "dpo.share_prompt=false",
                 "train.completion_only_logits=false",
+                "train.tied_grads_in_place=false",
             ],
+            # Like TRL's defaults, with activation checkpointing.
+            "align_anything GC": ["train.gradient_checkpointing=true"],
         },
         tokens=sum(sum(pair) for pair in lengths),
         token_lengths=lengths,

@@ -51,7 +51,14 @@ def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float
         trl_rows=[as_prompt_completion(rows[i]) for i in order],
         ours_variants={
             "align_anything": [],
-            "align_anything plain": ["train.completion_only_logits=false"],
+            # Every switchable optimisation off.
+            "align_anything plain": [
+                "sft.share_prefix=false",
+                "train.completion_only_logits=false",
+                "train.tied_grads_in_place=false",
+            ],
+            # Like TRL's defaults, with activation checkpointing.
+            "align_anything GC": ["train.gradient_checkpointing=true"],
         },
         tokens=sum(length for length, _ in lengths),
         token_lengths=lengths,
