@@ -19,6 +19,7 @@ import torch
 
 from align_anything import engine as eng
 from align_anything.errors import ConfigError
+from align_anything.models import full_numel
 
 EMA_FILE = "ema.safetensors"
 # Elements gathered per collective under ZeRO-3 (fp32: 64 MiB).
@@ -41,7 +42,7 @@ class WeightEMA:
         groups: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
         size = 0
         for name, param in self.params:
-            numel = getattr(param, "ds_numel", None) or param.numel()
+            numel = full_numel(param)
             if groups[-1] and size + numel > GATHER_GROUP_ELEMENTS:
                 groups.append([])
                 size = 0

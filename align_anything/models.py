@@ -278,13 +278,17 @@ def keep_architecture_frozen(model: Any) -> Any:
     return model
 
 
+def full_numel(param: Any) -> int:
+    """A parameter's full element count, also when ZeRO-3 has partitioned it (`ds_numel`)."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
 def count_parameters(model: Any) -> tuple[int, int]:
-    """(trainable, frozen) parameter counts; ZeRO-3 partitioned parameters report `ds_numel`."""
+    """(trainable, frozen) parameter counts, of whole parameters also under ZeRO-3."""
     trainable = frozen = 0
     for param in model.parameters():
-        numel = getattr(param, "ds_numel", None) or param.numel()
         if param.requires_grad:
-            trainable += numel
+            trainable += full_numel(param)
         else:
-            frozen += numel
+            frozen += full_numel(param)
     return trainable, frozen

@@ -40,7 +40,7 @@ from align_anything.data.media import (
     target_samples,
 )
 from align_anything.errors import ConfigError, DataError, ModelError
-from align_anything.models import keep_architecture_frozen
+from align_anything.models import full_numel, keep_architecture_frozen
 
 # Batch keys a multimodal model's forward takes besides input_ids / attention_mask.
 MEDIA_MODEL_INPUTS = (
@@ -190,9 +190,8 @@ def part_counts(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     """part -> (trainable, frozen) parameter counts (ZeRO-3 partitions report `ds_numel`)."""
     counts: dict[str, list[int]] = {}
     for name, param in model.named_parameters():
-        numel = getattr(param, "ds_numel", None) or param.numel()
         entry = counts.setdefault(part_of(name), [0, 0])
-        entry[0 if param.requires_grad else 1] += numel
+        entry[0 if param.requires_grad else 1] += full_numel(param)
     return {part: (t, f) for part, (t, f) in counts.items()}
 
 

@@ -100,12 +100,10 @@ def sizes_of(model: torch.nn.Module, config: Any) -> ModelSizes:
     ZeRO-3 parameters report `ds_numel`) and the text model's dimensions from its config."""
     from align_anything import models
 
-    def numel(param: torch.nn.Parameter) -> int:
-        return getattr(param, "ds_numel", None) or param.numel()
-
     trainable, frozen = models.count_parameters(model)
     largest = max(
-        (sum(numel(p) for p in m.parameters(recurse=False)) for m in model.modules()), default=0
+        (sum(models.full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()),
+        default=0,
     )
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelSizes(
@@ -210,14 +208,17 @@ def device_budget(cfg: RunConfig, *, gpus_per_node: int) -> tuple[float, str]:
     return total_kib * 1024 / gpus_per_node, f"system RAM / {gpus_per_node} local rank(s)"
 
 
+def local_devices(world_size: int) -> int:
+    """Devices (ranks) per node: the launcher's LOCAL_WORLD_SIZE, else all ranks on one node."""
+    return min(world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
 def plan(
     cfg: RunConfig, *, world_size: int, gpus_per_node: int | None = None
 ) -> tuple[list[Estimate], float, str, ModelSizes]:
     """Estimates for every shipped preset, the per-device budget and its source."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpus_per_node = gpus_per_node or min(
-        world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    )
+    gpus_per_node = gpus_per_node or local_devices(world_size)
     sizes = model_sizes(cfg)
     from align_anything.engine import resolve_precision
 

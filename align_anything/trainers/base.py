@@ -10,7 +10,6 @@ import hashlib
 import inspect
 import json
 import math
-import os
 import random
 import shutil
 import signal
@@ -557,7 +556,7 @@ class Trainer:
         estimate = plan.estimate_preset(
             Path(self.cfg.deepspeed_source).stem, self.ds_config, sizes, self.cfg,
             world_size=world, precision=self.precision,
-            gpus_per_node=min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))),
+            gpus_per_node=plan.local_devices(world),
         )  # fmt: skip
         gib = plan.GIB
         parts = [f"model states {estimate.model_states / gib:.2f}"]
