@@ -31,13 +31,12 @@ def _fsync(path: Path) -> None:
 def flush_tree(folder: Path) -> None:
     """fsync every file under `folder`, then every folder (deepest first), then `folder`."""
     folders = []
-    for root, dirs, files in os.walk(folder):
+    for root, _, files in os.walk(folder):
         for name in files:
             path = Path(root) / name
             if not path.is_symlink():
                 _fsync(path)
         folders.append(Path(root))
-        dirs.sort()
     for path in reversed(folders):
         _fsync(path)
 
