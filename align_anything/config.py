@@ -311,7 +311,11 @@ class RunConfig(_Section):
     )
     resume: str | None = Field(
         None,
-        description="null: start fresh; auto: the newest complete checkpoint in output_dir (or fresh); or a checkpoint path.",
+        description="null: start fresh (refused when output_dir already holds a run); auto: the newest complete checkpoint of the run in output_dir (or fresh when the folder is empty); or a checkpoint path.",
+    )
+    overwrite_output_dir: bool = Field(
+        False,
+        description="Start over in an output_dir that holds an earlier run: its checkpoints, final/ and metrics are removed first (other files stay).",
     )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -324,6 +328,15 @@ class RunConfig(_Section):
     sft: SFTSection | None = None
     dpo: DPOSection | None = None
     rm: RMSection | None = None
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _no_resume(cls, value: Any) -> Any:
+        return (
+            None
+            if isinstance(value, str) and value.strip().lower() in ("", "none", "null")
+            else value
+        )
 
     def section(self) -> BaseModel | dict[str, Any] | None:
         """The task's own section (e.g. `cfg.dpo` for task=dpo)."""

@@ -569,6 +569,7 @@ class Engine:
             adam=adam,
         )
         factor = lr_lambda(schedule, total_steps=total_steps, warmup_steps=warmup_steps)
+        self._factor = factor
 
         def scheduler_fn(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
             return torch.optim.lr_scheduler.LambdaLR(opt, factor)
@@ -583,6 +584,9 @@ class Engine:
             lr_scheduler=scheduler_fn,
             config=ds_config,
         )
+        # This run's peak rates (the preset's optimizer block may set its own): a resumed run
+        # keeps them rather than the checkpoint's.
+        self._peak_lrs = list(self.scheduler.base_lrs)
         plain = _plain_gradients(self.engine)
         # DeepSpeed's stage-0 all-reduce flattens the gradients into buckets of 500M elements,
         # so for any model below that it copies every gradient into one buffer (540 MB for a
@@ -681,7 +685,19 @@ class Engine:
                 group.update(values)
         if load_path is None:
             raise ConfigError(f"no DeepSpeed checkpoint could be loaded from {directory / tag}")
+        self._follow_this_runs_schedule()
         return client_state or {}
+
+    def _follow_this_runs_schedule(self) -> None:
+        """After a load, the schedule is this run's: the loaded scheduler keeps its step count
+        but not its peak rate (the checkpoint's `base_lrs`), and the optimizer's rate for the
+        next step is recomputed from this run's schedule (a longer run, a new peak rate)."""
+        scheduler = self.scheduler
+        scheduler.base_lrs = list(self._peak_lrs)
+        factor = self._factor(scheduler.last_epoch)
+        for group, peak in zip(scheduler.optimizer.param_groups, self._peak_lrs, strict=True):
+            group["initial_lr"], group["lr"] = peak, peak * factor
+        scheduler._last_lr = [peak * factor for peak in self._peak_lrs]
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather full weights (rank 0 gets them, other ranks None). Every rank must call."""
@@ -804,14 +820,18 @@ class InferenceEngine:
 UNIVERSAL_TAG = "universal"
 
 
-def checkpoint_zero_stage(checkpoint_dir: Path) -> int | None:
-    """The ZeRO stage a `…/step-N` checkpoint was written with, read from DeepSpeed's own
-    optimizer-state files (None when there are none: stage 0, or not a checkpoint)."""
-    files = sorted((Path(checkpoint_dir) / "deepspeed").glob("*optim_states.pt"))
-    if not files:
-        return None
-    state = torch.load(files[0], map_location="cpu", weights_only=False)
-    return int(state["optimizer_state_dict"].get("zero_stage", 1))
+def load_deepspeed_file(path: Path) -> Any:
+    """A DeepSpeed checkpoint file read without unpickling arbitrary objects: torch's
+    `weights_only` loader, allowing only the three DeepSpeed classes its files hold besides
+    tensors and containers (a loss-scaler record, the ZeRO stage enum, fragment addresses).
+    DeepSpeed's own loaders (`load_checkpoint`, `ds_to_universal`, `zero_to_fp32`) still
+    unpickle fully; see the README on checkpoints from elsewhere."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def convert_to_universal(checkpoint_dir: Path) -> Path:
@@ -886,12 +906,10 @@ def _write_fixed_slice_mappings(source: Path, dest: Path) -> bool:
     optim_files = sorted(source.glob("*zero_pp_rank_*_optim_states.pt"))
     if len(model_files) != 1 or not optim_files:
         return False  # ZeRO-3 (no such mappings) or a layout this does not know
-    param_shapes = torch.load(model_files[0], map_location="cpu", weights_only=False)[
-        "param_shapes"
-    ]
+    param_shapes = load_deepspeed_file(model_files[0])["param_shapes"]
     fixed: dict[Path, dict[str, Any]] = {}
     for path in optim_files:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = load_deepspeed_file(path)
         optim = state["optimizer_state_dict"]
         if "param_slice_mappings" not in optim or int(optim.get("zero_stage", 1)) > 2:
             return False
@@ -964,13 +982,13 @@ def _add_stage3_optimizer_globals(folder: Path) -> None:
     `step.pt` (the same count for every parameter) already hold; nothing else changes.
     """
     path = folder / "zero" / "optimizer_state.pt"
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = load_deepspeed_file(path)
     if "optimizer_state_dict" in state:
         return
     steps = sorted((folder / "zero").glob("*/step.pt"))
     if not steps:
         return  # no optimizer step was taken: nothing to carry
-    step = torch.load(steps[0], map_location="cpu", weights_only=False)
+    step = load_deepspeed_file(steps[0])
     state["optimizer_state_dict"] = {
         "state": {0: {"step": step}},
         "param_groups": state["param_groups"],
@@ -996,7 +1014,7 @@ def checkpoint_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     model_states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
     if not model_states:
         raise ConfigError(f"{tag_dir}: no model states file")
-    module = torch.load(model_states[0], map_location="cpu", weights_only=False)["module"]
+    module = load_deepspeed_file(model_states[0])["module"]
     return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}
 
 

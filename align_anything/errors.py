@@ -30,6 +30,10 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
+class CheckpointError(UserError):
+    """A checkpoint that is incomplete, damaged or cannot be loaded."""
+
+
 class CheckpointWriteError(UserError):
     """A checkpoint could not be written (disk full, unwritable folder). The previous complete
     checkpoint is untouched."""

@@ -20,8 +20,32 @@ from pathlib import Path
 from align_anything.errors import ConfigError, UserError, report
 
 
-def export_checkpoint(checkpoint: str, out: str) -> Path:
-    """Write the HF folder for `checkpoint` to `out` (atomically: temporary folder, then rename)."""
+def check_target(out: Path, *, overwrite: bool) -> None:
+    """Refuse, before any work, an --out that is a file or a non-empty folder; with
+    `overwrite`, a non-empty folder only when an earlier export made it."""
+    from align_anything.lora import EXPORT_RECORD
+
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder: choose a folder path")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not held:
+        return
+    shown = ", ".join(held[:5]) + (", …" if len(held) > 5 else "")
+    if not overwrite:
+        raise ConfigError(
+            f"--out {out} is not empty (it holds {shown}); nothing was written. Choose a new "
+            "folder, or add --overwrite to replace an earlier export there."
+        )
+    if not (out / EXPORT_RECORD).is_file():
+        raise ConfigError(
+            f"--out {out} holds {shown} but is not a folder this command exported (no "
+            f"{EXPORT_RECORD}): --overwrite replaces only an earlier export. Choose another --out."
+        )
+
+
+def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> Path:
+    """Write the HF folder for `checkpoint` to `out` (atomically: temporary folder, then rename;
+    an existing `out` only when empty, or an earlier export and `overwrite`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -29,6 +53,19 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
     from align_anything.engine import checkpoint_state_dict
 
     folder = Path(checkpoint)
+    target = Path(out)
+    check_target(target, overwrite=overwrite)
+    if target.resolve() == folder.resolve() or folder.resolve() in target.resolve().parents:
+        raise ConfigError(
+            f"--out {out} is inside the checkpoint {checkpoint}: choose a folder outside it"
+        )
+    if (folder / "deepspeed").is_dir():
+        from align_anything import checkpoints
+
+        problem = checkpoints.verify(folder)
+        if problem is not None:
+            raise ConfigError(f"{checkpoint} is not a complete checkpoint: {problem}")
+    record = {"exported_from": str(folder.resolve()), "tool": "python -m align_anything.export"}
     config_file = folder / "run_config.json"
     if not config_file.exists():
         raise ConfigError(
@@ -38,7 +75,9 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
     run = json.loads(config_file.read_text())
     model_path = models.resolve_model_path(run["model"]["name_or_path"])
     if lora.is_adapter_folder(folder):
-        return lora.merge_adapter_folder(folder, model_path, Path(out), task=run["task"])
+        return lora.merge_adapter_folder(
+            folder, model_path, target, task=run["task"], export_record=record
+        )
     trust = bool(run["model"].get("trust_remote_code", False))
     config = models.load_config(model_path, trust_remote_code=trust)
     tokenizer = models.load_tokenizer(model_path, trust_remote_code=trust)
@@ -68,7 +107,7 @@ def export_checkpoint(checkpoint: str, out: str) -> Path:
         )
     if adapters.get("enabled"):
         model = model.merge_and_unload()
-    return lora.write_hf_folder(model, tokenizer, Path(out))
+    return lora.write_hf_folder(model, tokenizer, target, export_record=record)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,10 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m align_anything.export", description=__doc__.split("\n")[0]
     )
     parser.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step-N)")
-    parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
+    parser.add_argument(
+        "--out", required=True, help="the Hugging Face folder to write (new, or empty)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace --out when it holds an earlier export (never any other folder)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
-        target = export_checkpoint(args.checkpoint, args.out)
+        target = export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
     except UserError as err:
         return report(err)
     print(f"exported {args.checkpoint} -> {target}")

@@ -15,6 +15,7 @@ run needs around it:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -126,9 +127,12 @@ def save_adapter(module: Any, state_dict: dict[str, torch.Tensor], directory: Pa
     module.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
 
 
-def merge_adapter_folder(adapter_dir: Path, base_path: str, out: Path, *, task: str) -> Path:
+def merge_adapter_folder(
+    adapter_dir: Path, base_path: str, out: Path, *, task: str, export_record: dict | None = None
+) -> Path:
     """Load the base model on CPU in fp32, apply the adapter from `adapter_dir`, merge it into
-    the weights and write a plain Hugging Face folder (safetensors) with the tokenizer."""
+    the weights and write a plain Hugging Face folder (safetensors) with the tokenizer
+    (`export_record`: see `write_hf_folder`)."""
     from peft import PeftModel
 
     from align_anything import models
@@ -146,15 +150,25 @@ def merge_adapter_folder(adapter_dir: Path, base_path: str, out: Path, *, task: 
         tokenizer = models.load_tokenizer(base_path)
     if task == "rm":
         merged.config.pad_token_id = tokenizer.pad_token_id
-    return write_hf_folder(merged, tokenizer, out)
+    return write_hf_folder(merged, tokenizer, out, export_record=export_record)
 
 
-def write_hf_folder(model: Any, tokenizer: Any, out: Path) -> Path:
-    """`save_pretrained` model + tokenizer into `out`, atomically (align_anything/atomic.py)."""
+# Written into every folder `python -m align_anything.export` makes: only such a folder may be
+# replaced by a later export (--overwrite).
+EXPORT_RECORD = "align_anything_export.json"
+
+
+def write_hf_folder(
+    model: Any, tokenizer: Any, out: Path, *, export_record: dict | None = None
+) -> Path:
+    """`save_pretrained` model + tokenizer into `out`, atomically (align_anything/atomic.py);
+    with `export_record`, also EXPORT_RECORD holding it."""
     out = Path(out)
     with atomic.folder(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if export_record is not None:
+            (tmp / EXPORT_RECORD).write_text(json.dumps(export_record, indent=2) + "\n")
     return out
 
 

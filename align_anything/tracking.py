@@ -60,7 +60,8 @@ class MetricsLogger:
         resume: bool,
     ) -> None:
         self.path = output_dir / "metrics.jsonl"
-        self._file = self.path.open("a" if resume else "w", encoding="utf-8")
+        # A fresh run never truncates: its folder was checked to hold no earlier run's metrics.
+        self._file = self.path.open("a" if resume else "x", encoding="utf-8")
         self._tb = None
         self._wandb = None
         self.notes: list[str] = []

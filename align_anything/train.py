@@ -42,9 +42,11 @@ def run(overrides: Sequence[str]) -> None:
     from align_anything.preemption import StopRequest
 
     cfg = load_config(overrides)  # every config mistake surfaces here, before any import of torch
+    from align_anything.errors import Preempted
     from align_anything.trainers import REGISTRY
 
     trainer = REGISTRY[cfg.task](cfg)
+    status = "failed"
     try:
         trainer.setup()
         # SIGTERM/SIGINT during the step loop: finish the step, write a checkpoint, stop.
@@ -52,8 +54,12 @@ def run(overrides: Sequence[str]) -> None:
             trainer.stop_request = stop
             trainer.train()
         trainer.save()
+        status = "complete"
+    except Preempted:
+        status = "stopped"
+        raise
     finally:
-        trainer.cleanup()
+        trainer.cleanup(status)  # run.json records how the run ended
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -313,3 +313,37 @@ def copy_tiny_model(dest: Path) -> Path:
 
     shutil.copytree(resolve_model_path(TINY_MODEL), dest)
     return dest
+
+
+# A finished 3-step SFT run with checkpoints step-2 and step-3 and final/: the starting point of
+# the output-dir, resume and export tests (they work on copies, see `copy_run`).
+FINISHED_ARGS = [
+    "task=sft", *COMMON, "deepspeed=z0", "data.max_length=64", "data.max_eval_samples=4",
+    "train.per_device_batch_size=2", "train.learning_rate=1e-3", "train.max_steps=3",
+    "checkpoint.every_steps=1", "checkpoint.keep_last=2",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def finished_run(runs_dir: Path) -> RunResult:
+    return launch(FINISHED_ARGS, runs_dir / "finished-sft").check()
+
+
+def copy_run(run: RunResult, dest: Path) -> Path:
+    """A copy of a run's output_dir, for a test that changes it."""
+    import shutil
+
+    shutil.copytree(run.output_dir, dest, symlinks=True)
+    return dest
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, str]]:
+    """Every file under `root` (relative path -> size and checksum): what a test compares to
+    show that nothing was changed or deleted."""
+    import xxhash
+
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, xxhash.xxh3_64(p.read_bytes()).hexdigest())
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

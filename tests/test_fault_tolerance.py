@@ -76,7 +76,7 @@ def _complete_checkpoints(output_dir: Path) -> list[int]:
     return sorted(
         int(p.name.removeprefix("step-"))
         for p in root.glob("step-*")
-        if (p / "trainer_state.json").exists()
+        if (p / "manifest.json").exists()
     )
 
 
@@ -85,9 +85,10 @@ def _assert_checkpoint_complete(output_dir: Path, step: int, world: int) -> None
     state = json.loads((folder / "trainer_state.json").read_text())
     assert state["step"] == step
     assert (folder / "deepspeed").is_dir() and (folder / "run_config.json").exists()
-    assert sorted(p.name for p in folder.glob("rng_state_rank*.pt")) == [
-        f"rng_state_rank{r}.pt" for r in range(world)
+    assert sorted(p.name for p in folder.glob("rng_state_rank*.json")) == [
+        f"rng_state_rank{r}.json" for r in range(world)
     ]
+    assert (folder / "manifest.json").exists()
 
 
 def _resumed_from(result: RunResult) -> int:

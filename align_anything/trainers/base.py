@@ -22,17 +22,22 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from align_anything import atomic, lora, models, multimodal
+from align_anything import atomic, checkpoints, lora, models, multimodal
 from align_anything import engine as eng
+from align_anything import output_dir as outdir
 from align_anything.config import AUTO_PRESET, RunConfig, load_preset, merge_nested
 from align_anything.data import DataReport, load_records, split_records
 from align_anything.ema import WeightEMA
-from align_anything.errors import CheckpointWriteError, ConfigError, Preempted, UserError
+from align_anything.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    ConfigError,
+    Preempted,
+    UserError,
+)
 from align_anything.losses import IGNORE_INDEX, completion_logps, selected_token_logps
 from align_anything.preemption import StopRequest
 from align_anything.tracking import MetricsLogger, Progress, check_backends
-
-CHECKPOINT_PREFIX = "step-"
 
 
 def seed_everything(seed: int) -> None:
@@ -73,6 +78,22 @@ def rank_micro_batches(
     return [
         indices[(m * world + rank) * micro : (m * world + rank + 1) * micro] for m in range(accum)
     ]
+
+
+def _jsonable(value: Any) -> Any:
+    """An RNG state as JSON data (tuples and arrays become lists): a checkpoint's RNG files are
+    read back without unpickling anything."""
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def _tuples(state: list[Any]) -> tuple[Any, ...]:
+    """Python's `random` state back from its JSON form: (version, internal state, gauss)."""
+    version, internal, gauss = state
+    return version, tuple(internal), gauss
 
 
 def _hash_array(value: Any) -> str:
@@ -229,7 +250,9 @@ class Trainer:
         # Distributed first: ranks decide data shards, and ZeRO-3 model construction needs it.
         self.dist = eng.setup_distributed()
         seed_everything(cfg.train.seed)
-        self._prepare_output_dir()
+        # Before any compute: the lock, and whether this run may write here (and from where
+        # it resumes). Decided on rank 0 and shared, so every rank stops with the same message.
+        self._claim_output_dir()
         self.model_path = models.resolve_model_path(cfg.model.name_or_path)
         self.model_config = models.load_config(
             self.model_path, trust_remote_code=cfg.model.trust_remote_code
@@ -274,7 +297,6 @@ class Trainer:
             explicit=cfg.explicit_keys,
         )
         self._plan_steps()
-        self._resume_dir = self._find_resume_dir()
         self._resume_universal: str | None = None
         if self._resume_dir is not None:
             self._check_resume_compatible(self._resume_dir)  # before the (slow) model load
@@ -307,7 +329,7 @@ class Trainer:
             adam=adam,
             schedule=cfg.train.lr_scheduler,
             total_steps=self.total_steps,
-            warmup_steps=math.ceil(cfg.train.warmup_ratio * self.total_steps),
+            warmup_steps=self.warmup_steps,
             load_universal=bool(self._resume_universal),
             tied_grads_in_place=cfg.train.tied_grads_in_place,
         )
@@ -336,6 +358,12 @@ class Trainer:
                 resume=self._resume_dir is not None,
             )
             self._write_resolved_config(self.output_dir)
+            outdir.write_run(
+                self.output_dir, run_id=self.run_id, task=self.task, status="running",
+                step=self.step, started=time.time(),
+                resumed_from=str(self._resume_dir) if self._resume_dir else None,
+            )  # fmt: skip
+            self._run_file_written = True
             self._print_summary()
 
     def _enable_gradient_checkpointing(self, model: torch.nn.Module) -> None:
@@ -396,20 +424,78 @@ class Trainer:
             f"tensors, fp32 {where} of rank 0{note}; exported to final-ema"
         )
 
-    def _prepare_output_dir(self) -> None:
-        if self.output_dir.exists() and not self.output_dir.is_dir():
-            raise ConfigError(f"output_dir={str(self.output_dir)!r} exists and is not a folder")
+    def _claim_output_dir(self) -> None:
+        """Take `output_dir` for this run (rank 0 decides, every rank learns the outcome): the
+        lock, the refusal to replace another run's results, and the checkpoint to resume."""
+        self._lock = outdir.Lock(self.output_dir)
+        notes: list[str] = []  # what rank 0 did or skipped on the way, printed even on refusal
+        decision: tuple[str | None, str, str | None] = (None, "", None)
         if self.dist.is_main:
             try:
-                self.output_dir.mkdir(parents=True, exist_ok=True)
-                probe = self.output_dir / ".write-test"
-                probe.write_text("ok")
-                probe.unlink()
-            except OSError as err:
-                raise ConfigError(
-                    f"output_dir={str(self.output_dir)!r} is not writable: {err}"
-                ) from None
-        eng.barrier()
+                run_id, resume = self._decide_output_dir(notes)
+                decision = (None, run_id, str(resume) if resume else None)
+            except UserError as err:
+                decision = (str(err), "", None)
+            for note in notes:
+                print(f"note: {note}", flush=True)
+        error, self.run_id, resume = eng.broadcast_object(decision)
+        if error:
+            raise ConfigError(error)
+        self._resume_dir = Path(resume) if resume else None
+
+    def _decide_output_dir(self, notes: list[str]) -> tuple[str, Path | None]:
+        """(run id, checkpoint to resume or None); appends what it did to `notes`. Rank 0."""
+        cfg, out = self.cfg, self.output_dir
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"output_dir={str(out)!r} exists and is not a folder")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / ".write-test"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(f"output_dir={str(out)!r} is not writable: {err}") from None
+        self._lock.acquire()
+        notes += [self._lock.note] if self._lock.note else []
+        resume = cfg.resume
+        if cfg.overwrite_output_dir and resume is not None:
+            raise ConfigError(
+                f"overwrite_output_dir=true starts over, resume={resume!r} continues: choose one"
+            )
+        previous = outdir.previous_outputs(out)
+        run = outdir.read_run(out) or {}
+        root = self._checkpoint_root()
+        if resume is None:
+            if previous and not cfg.overwrite_output_dir:
+                raise outdir.refuse_existing(out)
+            if previous:
+                removed = outdir.remove_previous(out)
+                notes.append(f"overwrite_output_dir=true: removed {', '.join(removed)} from {out}")
+            return outdir.new_run_id(), None
+        if resume == "auto":
+            found, skipped = checkpoints.newest_complete(root, run.get("run_id"))
+            notes += [f"resume=auto skipped {s.describe()}" for s in skipped]
+            if found is not None:
+                return checkpoints.run_id_of(found) or outdir.new_run_id(), found
+            if previous:
+                why = "; ".join(s.describe() for s in skipped)
+                raise outdir.refuse_existing(
+                    out, reason=" but no complete checkpoint of it to resume"
+                    + (f" (skipped {why})" if why else "")
+                )  # fmt: skip
+            return outdir.new_run_id(), None
+        path = Path(resume)
+        problem = checkpoints.verify(path)
+        if problem is not None:
+            raise CheckpointError(
+                f"resume={resume!r} is not a complete align_anything checkpoint: {problem} "
+                f"(checkpoints live under {root}/{checkpoints.PREFIX}N; resume=auto picks the "
+                "newest complete one)"
+            )
+        run_id = checkpoints.run_id_of(path) or outdir.new_run_id()
+        if previous and run.get("run_id") != run_id:
+            raise outdir.refuse_existing(out, reason=f", not the run of {path}")
+        return run_id, path
 
     def _build_data(self) -> None:
         cfg = self.cfg.data
@@ -500,6 +586,7 @@ class Trainer:
         self.total_steps = (
             max_steps if max_steps > 0 else self.steps_per_epoch * self.cfg.train.epochs
         )
+        self.warmup_steps = math.ceil(self.cfg.train.warmup_ratio * self.total_steps)
 
     # ------------------------------------------------------------------ summary
 
@@ -723,7 +810,7 @@ class Trainer:
         return int(flag.item())
 
     def _stop_for_signal(self, signum: int, *, already_saved: bool) -> None:
-        path = self._checkpoint_root() / f"{CHECKPOINT_PREFIX}{self.step}"
+        path = self._checkpoint_root() / checkpoints.folder_name(self.step)
         if not already_saved:
             path = self.save_checkpoint()
         raise Preempted(
@@ -747,8 +834,8 @@ class Trainer:
             seed=self.cfg.train.seed, epoch=epoch, step=in_epoch,
         )  # fmt: skip
         shown = ", ".join(map(str, rows[:16])) + (", …" if len(rows) > 16 else "")
-        good = self._complete_checkpoints()
-        last = f"the last good checkpoint is {good[-1]}" if good else "no checkpoint was written"
+        good = self._last_good_checkpoint()
+        last = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
         applied = (
             "its update was not applied"
             if before_update
@@ -802,6 +889,20 @@ class Trainer:
         results.update(self.evaluate_extra(label))
         return results
 
+    def _why_no_eval(self) -> str:
+        data = self.cfg.data
+        if not self.eval_records:
+            return (
+                "no eval split (data.eval_fraction=0 and no data.eval_path); set "
+                "data.eval_fraction or data.eval_path to measure held-out loss"
+            )
+        report = next((r for r in self.data_reports if r.source.startswith("eval split")), None)
+        dropped = f" ({report.summary()})" if report is not None else ""
+        return (
+            f"every one of the {len(self.eval_records)} eval rows was dropped{dropped}; "
+            f"raise data.max_length (now {data.max_length}) or check data.eval_path"
+        )
+
     def _metric_keys(self) -> list[str]:
         """Metric names every rank reports (so ranks pack the same keys)."""
         return ["loss"]
@@ -826,57 +927,36 @@ class Trainer:
     def _checkpoint_root(self) -> Path:
         return self.output_dir / "checkpoints"
 
-    def _complete_checkpoints(self) -> list[Path]:
-        root = self._checkpoint_root()
-        if not root.is_dir():
-            return []
-        found = [
-            p for p in root.iterdir()
-            if p.is_dir() and p.name.startswith(CHECKPOINT_PREFIX)
-            and p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / "trainer_state.json").exists()
+    def _last_good_checkpoint(self) -> Path | None:
+        """This run's newest checkpoint with a manifest (not re-verified: for messages)."""
+        ours = [
+            p for p in checkpoints.listed(self._checkpoint_root())
+            if checkpoints.run_id_of(p) == self.run_id and (p / checkpoints.MANIFEST).is_file()
         ]  # fmt: skip
-        return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX) :]))
-
-    def _find_resume_dir(self) -> Path | None:
-        resume = self.cfg.resume
-        if resume in (None, "", "none", "null"):
-            return None
-        if resume == "auto":
-            found = self._complete_checkpoints()
-            return found[-1] if found else None
-        path = Path(resume)
-        if not (path / "trainer_state.json").exists() or not (path / "deepspeed").is_dir():
-            raise ConfigError(
-                f"resume={resume!r} is not a complete align_anything checkpoint (expected "
-                f"trainer_state.json and deepspeed/ inside; checkpoints live under "
-                f"{self._checkpoint_root()}/{CHECKPOINT_PREFIX}N)"
-            )
-        return path
+        return ours[-1] if ours else None
 
     def save_checkpoint(self) -> Path:
-        """Write `checkpoints/step-N` under a temporary name, rename when complete, then prune
-        old ones: a crash mid-save never damages the last good checkpoint. A failed write (disk
-        full, unwritable folder) stops the run with a UserError naming the file; on several
-        ranks the failing rank exits and the launcher ends the others."""
+        """Write `checkpoints/step-N` under a temporary name, its manifest last, rename when
+        complete, then prune this run's old ones: a crash mid-save never damages the last good
+        checkpoint. A failed write (disk full, unwritable folder) stops the run with a
+        UserError naming the file; on several ranks the failing rank exits and the launcher
+        ends the others."""
         root = self._checkpoint_root()
-        final = root / f"{CHECKPOINT_PREFIX}{self.step}"
+        final = root / checkpoints.folder_name(self.step)
         tmp = atomic.temporary_sibling(final)
         try:
             self._write_checkpoint(tmp, final)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)  # give back whatever space it took
-            good = [p for p in self._complete_checkpoints() if p != final]
-            kept = (
-                f"the previous checkpoint {good[-1]} is intact" if good else "no earlier checkpoint"
-            )
+            good = self._last_good_checkpoint()
+            kept = f"the previous checkpoint {good} is intact" if good else "no earlier checkpoint"
             raise CheckpointWriteError(
                 f"could not write checkpoint {final.name} (step {self.step}): {err.strerror or err}"
                 f"{f' ({err.filename})' if err.filename else ''}; {kept}. Free space or make "
                 f"{root} writable, then run again with resume=auto."
             ) from None
         if self.dist.is_main:  # only once the new one is complete
-            for old in self._complete_checkpoints()[: -self.cfg.checkpoint.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            checkpoints.prune(root, run_id=self.run_id, keep_last=self.cfg.checkpoint.keep_last)
         eng.barrier()
         return final
 
@@ -886,22 +966,26 @@ class Trainer:
             tmp.mkdir(parents=True)
         eng.barrier()
         self.engine.save_checkpoint(tmp, client_state={"step": self.step})
-        torch.save(
-            {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-            },
-            tmp / f"rng_state_rank{self.dist.rank}.pt",
-        )
+        rng = {
+            "python": _jsonable(random.getstate()),
+            "numpy": _jsonable(np.random.get_state()),
+            "torch": torch.get_rng_state().tolist(),
+        }
+        (tmp / f"rng_state_rank{self.dist.rank}.json").write_text(json.dumps(rng))
         if self.ema is not None:
             self.ema.save(tmp)
         eng.barrier()
         if self.dist.is_main:
             self._write_resolved_config(tmp)
+            train = self.cfg.train
             state = {
+                "run_id": self.run_id,
                 "step": self.step,
                 "epoch": self.step / self.steps_per_epoch,
+                "total_steps": self.total_steps,
+                "learning_rate": train.learning_rate,
+                "lr_scheduler": train.lr_scheduler,
+                "warmup_steps": self.warmup_steps,
                 "global_batch": self.batch_plan.global_batch,
                 "world_size": self.dist.world_size,
                 "zero_stage": self.engine.zero_stage,
@@ -909,7 +993,8 @@ class Trainer:
                 "model": self.cfg.model.name_or_path,
                 **self._fingerprints(),
             }
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
+            (tmp / checkpoints.STATE).write_text(json.dumps(state, indent=2) + "\n")
+            checkpoints.write_manifest(tmp, run_id=self.run_id, step=self.step)  # last
             atomic.publish(tmp, final)
 
     def _fingerprints(self) -> dict[str, str]:
@@ -932,7 +1017,8 @@ class Trainer:
 
     def _check_resume_compatible(self, directory: Path) -> None:
         """Refuse a resume that would silently train something else than the checkpoint did."""
-        state = json.loads((directory / "trainer_state.json").read_text())
+        state = checkpoints.read_json(directory / checkpoints.STATE)
+        self._report_schedule_changes(directory, state)
         if state.get("global_batch") != self.batch_plan.global_batch:
             raise ConfigError(
                 f"checkpoint {directory} was trained with global batch {state.get('global_batch')}, "
@@ -948,7 +1034,7 @@ class Trainer:
         changed = [
             f"  - {label}: checkpoint {state[key]!r}, this run {now[key]!r}"
             for key, label in what.items()
-            if key in state and state[key] != now[key]  # older checkpoints lack fingerprints
+            if state.get(key) != now[key]
         ]
         if not changed:
             return
@@ -968,11 +1054,8 @@ class Trainer:
         on both sides, whose checkpoint holds whole weights and optimizer state); otherwise a
         description of the change, which resumes through DeepSpeed's universal checkpoint.
         The global batch is the same (checked before), so the data order is too."""
-        state = json.loads((directory / "trainer_state.json").read_text())
-        source_stage = state.get("zero_stage")
-        if source_stage is None:  # written before trainer_state recorded the stage
-            source_stage = eng.checkpoint_zero_stage(directory) or 0
-        source_world = int(state.get("world_size", self.dist.world_size))
+        state = checkpoints.read_json(directory / checkpoints.STATE)
+        source_stage, source_world = int(state["zero_stage"]), int(state["world_size"])
         stage, world = eng.zero_stage_of(self.ds_config), self.dist.world_size
         if (source_stage, source_world) == (stage, world) or source_stage == stage == 0:
             return None
@@ -991,16 +1074,50 @@ class Trainer:
             )
         return change
 
+    def _report_schedule_changes(self, directory: Path, state: dict[str, Any]) -> None:
+        """A resumed run follows this run's schedule (length, peak rate, shape, warmup) from
+        the checkpoint's step on; say so where it differs from the checkpoint's."""
+        train = self.cfg.train
+        now = {
+            "total steps (train.max_steps / train.epochs)": self.total_steps,
+            "train.learning_rate": train.learning_rate,
+            "train.lr_scheduler": train.lr_scheduler,
+            "warmup steps (train.warmup_ratio)": self.warmup_steps,
+        }
+        keys = ("total_steps", "learning_rate", "lr_scheduler", "warmup_steps")
+        changed = [
+            f"{label} {state.get(key)!r} -> {value!r}"
+            for (label, value), key in zip(now.items(), keys, strict=True)
+            if state.get(key) != value
+        ]
+        if changed:
+            self.summary_lines.append(
+                f"  schedule        changed since {directory.name}: {'; '.join(changed)}. The "
+                f"learning-rate schedule is rebuilt for {self.total_steps} steps and continues "
+                f"at step {state.get('step')} of it"
+            )
+
     def _load_checkpoint(self, directory: Path) -> None:
-        state = json.loads((directory / "trainer_state.json").read_text())
-        self.engine.load_checkpoint(directory)
+        state = checkpoints.read_json(directory / checkpoints.STATE)
+        try:
+            self.engine.load_checkpoint(directory)
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - DeepSpeed's loader raises anything
+            raise CheckpointError(
+                f"could not load checkpoint {directory}: {type(err).__name__}: {err}. Resume "
+                "from an earlier checkpoint (resume=PATH), or start over."
+            ) from None
         self.step = int(state["step"])
-        rng_file = directory / f"rng_state_rank{self.dist.rank}.pt"
-        if rng_file.exists():
-            rng = torch.load(rng_file, weights_only=False)
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
+        rng_file = directory / f"rng_state_rank{self.dist.rank}.json"
+        if rng_file.exists():  # a checkpoint of another world size has fewer or more ranks
+            rng = json.loads(rng_file.read_text())
+            random.setstate(_tuples(rng["python"]))
+            numpy_state = rng["numpy"]
+            np.random.set_state(
+                (numpy_state[0], np.asarray(numpy_state[1], dtype=np.uint32), *numpy_state[2:])
+            )
+            torch.set_rng_state(torch.tensor(rng["torch"], dtype=torch.uint8))
 
     # ------------------------------------------------------------------ export
 
@@ -1037,27 +1154,38 @@ class Trainer:
     def export_module(self) -> Any:
         return self.engine.module
 
-    def cleanup(self) -> None:
-        """Close sinks, print the summary (after a finished run) and leave the process group;
-        also called after an error, whatever set-up reached."""
+    def cleanup(self, status: str = "failed") -> None:
+        """Close sinks, print the summary (after a finished run), record the run's `status`
+        (complete, stopped, failed) in run.json, release the output_dir lock and leave the
+        process group; also called after an error, whatever set-up reached."""
         logger = getattr(self, "logger", None)
         if logger is not None:
             logger.close()
         dist = getattr(self, "dist", None)
         finished = hasattr(self, "train_seconds")
-        summary = self.final_summary() if finished else ""
-        if dist is not None and dist.is_main and finished:
-            if summary:
-                print(summary, flush=True)
-            (self.output_dir / "summary.json").write_text(
-                json.dumps(self.summary_data(), indent=2) + "\n"
-            )
+        if dist is not None and dist.is_main:
+            if finished:
+                print(self.final_summary(), flush=True)
+                atomic.write_text(
+                    self.output_dir / "summary.json",
+                    json.dumps(self.summary_data(), indent=2) + "\n",
+                )
+            if getattr(self, "_run_file_written", False):
+                final = self.output_dir / "final"
+                outdir.write_run(
+                    self.output_dir, status=status, step=self.step,
+                    final_step=self.step if status == "complete" and final.is_dir() else None,
+                )  # fmt: skip
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
         eng.teardown_distributed()
 
     def summary_data(self) -> dict[str, Any]:
         evals = {h["phase"]: h for h in self.history if "phase" in h}
         peaks = getattr(self, "peak_memory", [])
         return {
+            "run_id": self.run_id,
             "task": self.task,
             "steps": self.step,
             "evaluations": evals,
@@ -1069,11 +1197,11 @@ class Trainer:
 
     def final_summary(self) -> str:
         evals = [h for h in self.history if "phase" in h]
-        if not evals:
-            return ""
         lines = [
             f"finished {self.task}: {self.step} steps in {getattr(self, 'train_seconds', 0):.0f} s"
         ]
+        if not evals:
+            lines.append(f"  no held-out metrics: {self._why_no_eval()}")
         peaks = getattr(self, "peak_memory", [])
         if peaks:
             lines.append(

@@ -1,0 +1,159 @@
+"""The checkpoint store of one run: `output_dir/checkpoints/step-N/`.
+
+A checkpoint belongs to a run (the run id in its `trainer_state.json`) and is complete only
+when its `manifest.json`, written last, lists every file it holds with its size and xxh3-64
+checksum and the files on disk still match. `resume=auto` takes the newest checkpoint of the
+run that passes that check and reports every newer one it skipped, with the reason; nothing is
+ever deleted on the way. Pruning (`checkpoint.keep_last`) removes only complete checkpoints of
+the same run, so a checkpoint of another run, or one that no longer checks out, is left for
+the user to look at.
+
+Hand-written, not a library's: DeepSpeed writes its files with no record of what a complete
+checkpoint holds (a deleted or truncated `*.pt` surfaces as a bare assertion or a zip-reader
+error deep inside its loader), and a manifest is what makes "complete" checkable before any
+weights load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+PREFIX = "step-"
+MANIFEST = "manifest.json"
+STATE = "trainer_state.json"
+MANIFEST_FORMAT = 1
+_CHUNK = 8 << 20
+
+
+def folder_name(step: int) -> str:
+    return f"{PREFIX}{step}"
+
+
+def step_of(path: Path) -> int | None:
+    """N for a folder named `step-N`, else None (temporary `.tmp-step-N` folders included)."""
+    digits = path.name.removeprefix(PREFIX)
+    return int(digits) if path.name.startswith(PREFIX) and digits.isdigit() else None
+
+
+def _checksum(path: Path) -> str:
+    digest = xxhash.xxh3_64()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(
+        p for p in folder.rglob("*") if p.is_file() and not p.is_symlink() and p.name != MANIFEST
+    )
+
+
+def write_manifest(folder: Path, *, run_id: str, step: int) -> None:
+    """List every file of a finished checkpoint folder (written last, before it is published)."""
+    files = {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "xxh3_64": _checksum(p)}
+        for p in _files(folder)
+    }
+    manifest = {"format": MANIFEST_FORMAT, "run_id": run_id, "step": step, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; ValueError with a short reason otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path.name} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path.name} cannot be read ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name} is not a JSON object")
+    return data
+
+
+def verify(folder: Path) -> str | None:
+    """Why `folder` is not a complete checkpoint (None when it is): its manifest and trainer
+    state must parse, and every listed file must exist with its size and checksum."""
+    try:
+        manifest = read_json(folder / MANIFEST)
+        state = read_json(folder / STATE)
+    except ValueError as err:
+        return str(err)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return f"{MANIFEST} is not a format-{MANIFEST_FORMAT} manifest"
+    if state.get("run_id") != manifest.get("run_id") or state.get("step") != manifest.get("step"):
+        return f"{STATE} and {MANIFEST} disagree on the run or step"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} is {size} bytes, the manifest says {expected['size']} (truncated?)"
+    for name, expected in files.items():  # sizes first: a missing file is found without reading
+        if _checksum(folder / name) != expected["xxh3_64"]:
+            return f"{name} does not match its checksum (the file changed after it was written)"
+    return None
+
+
+@dataclass(frozen=True)
+class Skipped:
+    path: Path
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def listed(root: Path) -> list[Path]:
+    """Every `step-N` folder under `root`, oldest step first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+
+
+def run_id_of(folder: Path) -> str | None:
+    try:
+        value = read_json(folder / STATE).get("run_id")
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def newest_complete(root: Path, run_id: str | None) -> tuple[Path | None, list[Skipped]]:
+    """The newest complete checkpoint of run `run_id` (any run's when None) under `root`, and
+    the newer folders skipped on the way, each with its reason. Reads, never deletes."""
+    skipped: list[Skipped] = []
+    for path in reversed(listed(root)):
+        owner = run_id_of(path)
+        if run_id is not None and owner is not None and owner != run_id:
+            skipped.append(Skipped(path, f"belongs to another run (run id {owner})"))
+            continue
+        problem = verify(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(Skipped(path, problem))
+    return None, skipped
+
+
+def prune(root: Path, *, run_id: str, keep_last: int) -> list[Path]:
+    """Remove all but the newest `keep_last` complete checkpoints of run `run_id`; returns the
+    removed folders. Checkpoints of other runs, and folders that do not check out, stay."""
+    ours = [p for p in listed(root) if run_id_of(p) == run_id and (p / MANIFEST).is_file()]
+    removed = ours[:-keep_last] if keep_last > 0 else []
+    for path in removed:
+        # Renamed out of the `step-N` namespace first: a kill mid-delete leaves a temporary
+        # folder that nothing mistakes for a checkpoint.
+        doomed = path.with_name(f".deleting-{path.name}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return removed

@@ -1,0 +1,175 @@
+"""Who owns an `output_dir`: one run at a time (a lock file), and no run silently replaces
+another's results (`run.json`).
+
+- `.lock` holds the pid, host and start time of the run writing there, created with O_EXCL so
+  that of two runs started at once exactly one gets it. A lock whose process is gone (same
+  host, no such pid) is stale: it is reported and taken over.
+- `run.json` records the run id, its status (`running`, `stopped`, `failed`, `complete`) and
+  the step of `final/`. A folder whose run.json does not say `complete` holds an unfinished
+  run: its `final/` and `summary.json`, if any, may be older than its metrics.
+- A fresh run into a folder that already holds a run refuses, naming `resume=auto` and
+  `overwrite_output_dir=true`; with the latter, the old run's outputs (and only those) are
+  removed before anything new is written, so old and new never mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from align_anything import atomic, checkpoints
+from align_anything.errors import ConfigError
+
+LOCK = ".lock"
+RUN_FILE = "run.json"
+# What a run writes into its output_dir, and so what overwrite_output_dir=true removes.
+RUN_OUTPUTS = (
+    RUN_FILE, "metrics.jsonl", "summary.json", "run_config.json", "ds_config.json",
+    "checkpoints", "final", "final-merged", "final-ema", "tensorboard", "wandb",
+)  # fmt: skip
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+class Lock:
+    """`output_dir/.lock` while a run writes there (rank 0 holds it)."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = Path(output_dir) / LOCK
+        self.note = ""  # set when a stale lock was taken over
+        self._held = False
+
+    def acquire(self) -> None:
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self._refuse_or_clear()
+                continue
+            with os.fdopen(fd, "w") as handle:
+                handle.write(json.dumps(me) + "\n")
+            self._held = True
+            return
+        raise ConfigError(f"could not take the lock {self.path}: another run keeps creating it")
+
+    def _refuse_or_clear(self) -> None:
+        try:
+            holder = json.loads(self.path.read_text())
+            pid, host = int(holder["pid"]), str(holder["host"])
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder["started"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            # Unreadable: being written this very moment, or damaged. Treat it as held.
+            raise ConfigError(
+                f"{self.path.parent} is locked by another run ({self.path} exists but cannot be "
+                f"read). If no run is using this folder, delete {self.path} and run again."
+            ) from None
+        if host == socket.gethostname() and not _process_alive(pid):
+            self.path.unlink(missing_ok=True)
+            self.note = (
+                f"took over a stale lock: {self.path} was left by pid {pid} on {host} "
+                f"(started {since}), which is no longer running"
+            )
+            return
+        where = "this host" if host == socket.gethostname() else f"host {host}"
+        raise ConfigError(
+            f"another run is writing to {self.path.parent}: pid {pid} on {where}, started "
+            f"{since} (lock {self.path}). Wait for it to finish, or use another output_dir=…; "
+            f"if that run is surely gone (e.g. its machine died), delete {self.path}."
+        )
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        try:
+            holder = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if holder.get("pid") == os.getpid():
+            self.path.unlink(missing_ok=True)
+
+
+def read_run(output_dir: Path) -> dict[str, Any] | None:
+    path = Path(output_dir) / RUN_FILE
+    if not path.exists():
+        return None
+    try:
+        return checkpoints.read_json(path)
+    except ValueError:
+        return {}
+
+
+def write_run(output_dir: Path, **fields: Any) -> dict[str, Any]:
+    """Update `run.json` (written to a temporary file, flushed, renamed)."""
+    path = Path(output_dir) / RUN_FILE
+    data = {**(read_run(output_dir) or {}), **fields, "updated": time.time()}
+    atomic.write_text(path, json.dumps(data, indent=2) + "\n")
+    return data
+
+
+def previous_outputs(output_dir: Path) -> list[str]:
+    """The names of earlier runs' outputs present in `output_dir`."""
+    root = Path(output_dir)
+    found = []
+    for name in RUN_OUTPUTS:
+        path = root / name
+        if name == "checkpoints":
+            if checkpoints.listed(path):
+                found.append(name)
+        elif path.exists():
+            found.append(name)
+    return found
+
+
+def describe_previous(output_dir: Path) -> str:
+    run = read_run(output_dir) or {}
+    parts = []
+    if run.get("status"):
+        parts.append(f"status {run['status']}")
+    if run.get("step") is not None:
+        parts.append(f"step {run['step']}")
+    steps = [checkpoints.step_of(p) for p in checkpoints.listed(Path(output_dir) / "checkpoints")]
+    if steps:
+        parts.append("checkpoints " + ", ".join(f"step-{s}" for s in steps))
+    if (Path(output_dir) / "final").is_dir():
+        parts.append("final/")
+    return ", ".join(parts) or ", ".join(previous_outputs(output_dir))
+
+
+def refuse_existing(output_dir: Path, *, reason: str = "") -> ConfigError:
+    return ConfigError(
+        f"output_dir={str(output_dir)!r} already holds a run ({describe_previous(output_dir)})"
+        f"{reason}. Continue it with resume=auto, start over with overwrite_output_dir=true "
+        "(removes that run's checkpoints, final/ and metrics), or choose another output_dir=…"
+    )
+
+
+def remove_previous(output_dir: Path) -> list[str]:
+    """overwrite_output_dir=true: remove what an earlier run wrote (nothing else)."""
+    removed = previous_outputs(output_dir)
+    for name in removed:
+        path = Path(output_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    return removed
