@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def temporary_sibling(final: Path) -> Path:
@@ -116,3 +118,8 @@ def folder(final: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     publish(tmp, final)
+
+
+def to_json(data: Any) -> str:
+    """The project's JSON files (configs, states, summaries): indented, one trailing newline."""
+    return json.dumps(data, indent=2) + "\n"

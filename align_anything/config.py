@@ -303,7 +303,7 @@ class RunConfig(_Section):
 
     task: str = Field(description="The trainer: sft, dpo or rm (a file in configs/task/).")
     deepspeed: dict[str, Any] = Field(
-        description="A shipped preset name (`python -m align_anything.presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."
+        description="A shipped preset name (`python -m align_anything presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."
     )
     deepspeed_source: str
     output_dir: str = Field(

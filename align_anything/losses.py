@@ -1,11 +1,8 @@
-"""Loss functions for SFT, the DPO family and reward models.
+"""Loss functions of the DPO family and reward models, from sequence log-probs and scores.
 
 Every function here is pure: tensors in, tensors out. No config objects, no distributed calls;
-the trainers turn config values into the keyword arguments below.
-
-Label convention (shared with the data pipeline): `labels` has the same shape as `input_ids`,
-positions that are not scored (prompt, padding, media placeholders) hold `IGNORE_INDEX` (-100),
-and the next-token shift happens here: `logits[:, t]` predicts `labels[:, t + 1]`.
+the trainers turn config values into the keyword arguments below. (Log-probs come from
+`align_anything.forward`; SFT's loss is the negative of their sum.)
 """
 
 from __future__ import annotations
@@ -16,13 +13,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import FunctionCtx, once_differentiable
-
-IGNORE_INDEX = -100
-
-# Sequence positions per chunk in `token_logps`. Peak extra memory is about
-# batch × chunk_size × vocab × 4 bytes (one fp32 chunk, plus one temporary in backward).
-DEFAULT_CHUNK_SIZE = 256
 
 # The loss types `dpo_loss` understands; the trainer config validates against this tuple.
 DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
@@ -30,176 +20,6 @@ REFERENCE_FREE_LOSS_TYPES: tuple[str, ...] = ("simpo", "orpo")
 # Types whose formula uses length-normalised log-probs, so token counts are required.
 _NEEDS_TOKEN_COUNTS: tuple[str, ...] = ("ipo", "simpo", "orpo")
 _SMOOTHED_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "robust", "simpo")
-
-
-# --------------------------------------------------------------------------------------------
-# Token log-probabilities
-# --------------------------------------------------------------------------------------------
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # fp32 at least: bf16/fp16 logsumexp over a 100k+ vocabulary loses most of its digits.
-    # fp64 stays fp64 so that gradcheck can test the hand-written backward.
-    return torch.promote_types(dtype, torch.float32)
-
-
-class _ChunkedTokenLogps(torch.autograd.Function):
-    """log p(label) per position, computed chunk by chunk over the sequence.
-
-    Autograd through `logits.float().log_softmax(-1).gather(...)` would keep an fp32 copy of
-    the whole [B, T, V] logits alive until backward. Here forward keeps only the per-position
-    logsumexp ([B, T-1]), and backward recomputes softmax one chunk at a time, so the extra
-    memory is one fp32 chunk in either direction.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: FunctionCtx, logits: Tensor, labels: Tensor, chunk_size: int, shift: bool
-    ) -> Tensor:
-        batch, seq_len, _ = logits.shape
-        # shift=True: logits[:, t] predicts labels[:, t+1] (the last position predicts nothing);
-        # shift=False: logits[:, t] predicts labels[:, t] (positions already selected).
-        targets = labels[:, 1:] if shift else labels
-        positions = seq_len - 1 if shift else seq_len
-        scored = targets != IGNORE_INDEX
-        # gather needs a valid index at ignored positions; their values are zeroed below.
-        safe_targets = targets.masked_fill(~scored, 0)
-        dtype = _compute_dtype(logits.dtype)
-        logps = torch.empty((batch, positions), dtype=dtype, device=logits.device)
-        lse = torch.empty_like(logps)
-        for start in range(0, positions, chunk_size):
-            end = min(start + chunk_size, positions)
-            chunk = logits[:, start:end].to(dtype)
-            chunk_lse = torch.logsumexp(chunk, dim=-1)
-            target_logit = chunk.gather(-1, safe_targets[:, start:end, None]).squeeze(-1)
-            logps[:, start:end] = target_logit - chunk_lse
-            lse[:, start:end] = chunk_lse
-        logps.masked_fill_(~scored, 0.0)
-        ctx.save_for_backward(logits, safe_targets, scored, lse)
-        ctx.chunk_size = chunk_size  # type: ignore[attr-defined]
-        return logps
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: FunctionCtx, grad_logps: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
-        logits, safe_targets, scored, lse = ctx.saved_tensors  # type: ignore[attr-defined]
-        chunk_size: int = ctx.chunk_size  # type: ignore[attr-defined]
-        positions = lse.shape[1]
-        dtype = lse.dtype
-        # Ignored positions were set to a constant 0 in forward, so they pass no gradient.
-        grad = grad_logps.to(dtype) * scored
-        grad_logits = torch.empty_like(logits)
-        # With the shift, the last position predicts nothing (there is no label after it).
-        grad_logits[:, positions:].zero_()
-        for start in range(0, positions, chunk_size):
-            end = min(start + chunk_size, positions)
-            chunk = logits[:, start:end].to(dtype)
-            g = grad[:, start:end, None]
-            # d(logit[y] - logsumexp(logit)) / d logit = onehot(y) - softmax(logit)
-            chunk_grad = (chunk - lse[:, start:end, None]).exp_().mul_(-g)
-            chunk_grad.scatter_add_(-1, safe_targets[:, start:end, None], g)
-            grad_logits[:, start:end] = chunk_grad
-        return grad_logits, None, None, None
-
-
-def _check_logits_labels(logits: Tensor, labels: Tensor, chunk_size: int) -> None:
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be [batch, seq, vocab], got shape {tuple(logits.shape)}")
-    if labels.shape != logits.shape[:2]:
-        raise ValueError(
-            f"labels must have the shape of input_ids, {tuple(logits.shape[:2])} here "
-            f"(logits {tuple(logits.shape)}), got {tuple(labels.shape)}"
-        )
-    if labels.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
-
-
-def token_logps(logits: Tensor, labels: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
-    """Per-position log-probability of the next-token target.
-
-    Args:
-        logits: [B, T, V] model outputs, any float dtype.
-        labels: [B, T] token ids aligned with `input_ids`; `IGNORE_INDEX` where not scored.
-        chunk_size: sequence positions processed at once; bounds the fp32 working memory to
-            about B × chunk_size × V × 4 bytes in forward and in backward.
-
-    Returns:
-        [B, T-1] tensor in fp32 (fp64 for fp64 logits): entry t is log p(labels[:, t+1] | ..t),
-        0 at ignored positions.
-    """
-    _check_logits_labels(logits, labels, chunk_size)
-    return _ChunkedTokenLogps.apply(logits, labels.long(), chunk_size, True)
-
-
-def selected_token_logps(
-    logits: Tensor, targets: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
-) -> Tensor:
-    """Log-probability of `targets[i]` under `logits[i]` for logits already taken at the scored
-    positions only ([N, V] and [N]); used when the model projects only those positions onto
-    the vocabulary. Same numerics and memory bound as `token_logps`."""
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(
-            f"expected logits [N, V] and targets [N], got {tuple(logits.shape)} and {tuple(targets.shape)}"
-        )
-    return _ChunkedTokenLogps.apply(logits[None], targets.long()[None], chunk_size, False)[0]
-
-
-def completion_logps(
-    logits: Tensor, labels: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
-) -> tuple[Tensor, Tensor]:
-    """Summed log-probability of each sequence's scored tokens, and how many there are.
-
-    Args: as for `token_logps`.
-
-    Returns:
-        (logps [B] fp32: sum of log p over the scored target tokens,
-         token_counts [B] int64: number of scored target tokens).
-        Divide the first by the second for the length-normalised log-prob.
-    """
-    per_token = token_logps(logits, labels, chunk_size=chunk_size)
-    token_counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)
-    return per_token.sum(dim=-1), token_counts
-
-
-# --------------------------------------------------------------------------------------------
-# SFT
-# --------------------------------------------------------------------------------------------
-
-
-def sft_loss(
-    logits: Tensor,
-    labels: Tensor,
-    *,
-    num_items: int | float | Tensor | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
-) -> Tensor:
-    """Next-token negative log-likelihood over the scored tokens, summed then divided.
-
-    Args:
-        logits, labels: as for `token_logps`.
-        num_items: the divisor. For exact gradient accumulation pass the number of scored
-            tokens in the whole optimizer step (all micro-batches, all ranks): then the summed
-            gradients equal those of one big batch averaged per token, whatever the lengths
-            of the micro-batches. The caller must undo any averaging the engine applies on top
-            (DeepSpeed scales each micro-batch loss by 1/gradient_accumulation_steps and
-            averages gradients over ranks). None: this batch's own scored-token count.
-        chunk_size: see `token_logps`.
-
-    Returns:
-        Scalar loss. A batch without scored tokens (num_items None) gives 0, not NaN, and
-        no gradient: truncation can legitimately leave a micro-batch with nothing to learn.
-    """
-    summed_logps, token_counts = completion_logps(logits, labels, chunk_size=chunk_size)
-    nll = -summed_logps.sum()
-    if num_items is None:
-        return nll / token_counts.sum().clamp(min=1)
-    if isinstance(num_items, Tensor):
-        return nll / num_items.to(nll.dtype)
-    if num_items <= 0:
-        raise ValueError(f"num_items must be a positive token count, got {num_items}")
-    return nll / num_items
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,27 +255,3 @@ def reward_loss(
             "reward_std": all_rewards.std(correction=0),
         }
     return loss, metrics
-
-
-def last_token_index(attention_mask: Tensor) -> Tensor:
-    """Index of the last non-padding position of each row, for left or right padding.
-
-    Args:
-        attention_mask: [B, T], 1/True for real tokens.
-
-    Returns:
-        LongTensor [B]. Taking the highest attended position (not `mask.sum() - 1`) is what
-        makes left padding work: there the last token sits at T-1.
-
-    Raises:
-        ValueError: a row has no real token, so there is nothing to read a score from.
-    """
-    if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be [batch, seq], got {tuple(attention_mask.shape)}")
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    index = torch.where(attention_mask.bool(), positions, -1).amax(dim=1)
-    if bool((index < 0).any()):
-        raise ValueError(
-            f"attention_mask rows {(index < 0).nonzero().flatten().tolist()} are empty"
-        )
-    return index

@@ -1,10 +1,13 @@
-"""Memory planner: per-device memory of each shipped preset for a run, and `deepspeed=auto`.
+"""The run's DeepSpeed plan: the one place that turns the run config into the resolved DeepSpeed
+config (`resolve_deepspeed`), and the memory planner behind `deepspeed=auto` and
+`python -m align_anything plan`.
 
-    python -m align_anything.plan task=dpo model.name_or_path=smollm2-135m-instruct
-    python -m align_anything.plan --world-size 8 task=sft model.name_or_path=Qwen/Qwen2.5-7B
+`resolve_deepspeed` takes the run config, the world size and the model config and returns the
+resolved DeepSpeed dict, the batch plan and the precision (plus, when resuming across ZeRO
+stages or world sizes, DeepSpeed's universal-load flag); nothing else edits a DeepSpeed config.
 
-For each preset (z0, z2, z3, z3_offload) at the given world size it prints the estimated
-per-device memory of
+The memory planner estimates, for each shipped preset,
+
 
 - model states: DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`) for
   mixed precision; for fp32 training (CPU) and LoRA, where DeepSpeed has no estimator, the same
@@ -27,31 +30,26 @@ loaded), so planning a 70B model takes seconds on a laptop.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from align_anything.config import RunConfig, load_config, load_preset
-from align_anything.errors import ConfigError, UserError, report
+from align_anything.backend import ds_config as dsc
+from align_anything.backend import memory
+from align_anything.config import AUTO_PRESET, RunConfig, load_preset, merge_nested
+from align_anything.errors import ConfigError
+from align_anything.losses import REFERENCE_FREE_LOSS_TYPES
+from align_anything.models.loading import text_hidden_size
+from align_anything.models.sizes import ModelSizes, model_sizes
 
 # Lowest communication first: the order `deepspeed=auto` tries them in.
 PRESET_ORDER = ("z0", "z2", "z3", "z3_offload")
+
 HEADROOM = 0.9  # allocator fragmentation, communication buffers, CUDA context
+
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class ModelSizes:
-    total: int
-    trainable: int
-    largest_layer: int
-    hidden: int
-    layers: int
-    vocab: int
 
 
 @dataclass(frozen=True)
@@ -70,50 +68,99 @@ class Estimate:
         return self.model_states + self.reference + self.activations
 
 
-def model_sizes(cfg: RunConfig) -> ModelSizes:
-    """Parameter counts of the run's model (with adapters when LoRA is on), from its config on
-    the meta device."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+def run_model_sizes(cfg: RunConfig) -> ModelSizes:
+    """Parameter counts of the run's model (with its adapters when LoRA is on)."""
+    adapters = cfg.model.lora
+    return model_sizes(
+        cfg.model.name_or_path,
+        reward=cfg.task == "rm",
+        trust_remote_code=cfg.model.trust_remote_code,
+        adapters=dict(r=adapters.r, alpha=adapters.alpha, dropout=adapters.dropout,
+                      target_modules=adapters.target_modules) if adapters.enabled else None,
+    )  # fmt: skip
 
-    from align_anything import lora, models
 
-    config = models.load_config(
-        cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code
+@dataclass(frozen=True)
+class DeepSpeedPlan:
+    """What `resolve_deepspeed` decided for a run."""
+
+    config: dict[str, Any]  # the resolved DeepSpeed config, as the engine gets it
+    batch: dsc.BatchPlan
+    precision: str
+    source: str  # the preset file the config came from
+    notes: tuple[str, ...] = field(default=())  # for the start-up summary
+    universal: str | None = None  # resuming through a universal checkpoint: the change
+
+    @property
+    def stage(self) -> int:
+        return dsc.zero_stage_of(self.config)
+
+    def reference_config(self, *, offload: bool) -> dict[str, Any]:
+        """The DeepSpeed config of a frozen model beside the trained one (the DPO reference)."""
+        return dsc.inference_config(self.config, offload=offload)
+
+
+def choose_auto_preset(cfg: RunConfig, *, world_size: int) -> tuple[str, str]:
+    """deepspeed=auto: the lowest-stage shipped preset whose estimate fits, and why."""
+    estimates, budget, _, _ = plan(cfg, world_size=world_size)
+    estimate, reason = choose(estimates, budget)
+    return estimate.preset, reason
+
+
+def resolve_deepspeed(
+    cfg: RunConfig,
+    *,
+    world_size: int,
+    model_config: Any,
+    device_type: str,
+    bf16_supported: bool,
+    auto_choice: tuple[str, str] | None = None,
+    resume: tuple[Any, dict[str, Any]] | None = None,
+) -> DeepSpeedPlan:
+    """The run's DeepSpeed config, batch plan and precision: the preset the run names (or, for
+    deepspeed=auto, `auto_choice` from `choose_auto_preset`, with the command line's
+    `deepspeed.*` overrides on top), every "auto" filled, and DeepSpeed's universal-load flag
+    when `resume` (a checkpoint folder and its trainer state) was written under another ZeRO
+    stage or world size. The validated run config is never changed."""
+    notes: list[str] = []
+    preset, source = cfg.deepspeed, cfg.deepspeed_source
+    if source == AUTO_PRESET:
+        if auto_choice is None:
+            raise ValueError("deepspeed=auto needs the preset choice (choose_auto_preset)")
+        name, reason = auto_choice
+        preset, source = load_preset(name)
+        preset = merge_nested(preset, cfg.deepspeed)
+        notes.append(f"  deepspeed=auto  {reason}")
+    train = cfg.train
+    config, batch, precision = dsc.resolve_ds_config(
+        preset,
+        world_size=world_size,
+        hidden_size=text_hidden_size(model_config),
+        device=device_type,
+        precision=train.precision,
+        micro_batch=train.per_device_batch_size,
+        grad_accum=train.gradient_accumulation_steps,
+        global_batch=train.global_batch_size,
+        max_grad_norm=train.max_grad_norm,
+        adam=dsc.AdamSettings(
+            train.learning_rate, train.adam_betas, train.adam_eps, train.weight_decay
+        ),
+        bf16_supported=bf16_supported,
+        explicit=cfg.explicit_keys,
     )
-    with torch.device("meta"):
-        if cfg.task == "rm":
-            config.num_labels = 1
-            model = AutoModelForSequenceClassification.from_config(config)
-        else:
-            model = AutoModelForCausalLM.from_config(config)
-        if cfg.model.lora.enabled:
-            adapters = cfg.model.lora
-            model = lora.add_adapters(
-                model, r=adapters.r, alpha=adapters.alpha, dropout=adapters.dropout,
-                target_modules=adapters.target_modules, sequence_classification=cfg.task == "rm",
+    universal = None
+    if resume is not None:
+        folder, state = resume
+        try:
+            universal = dsc.universal_change(
+                source_stage=int(state["zero_stage"]), source_world=int(state["world_size"]),
+                stage=dsc.zero_stage_of(config), world=world_size,
             )  # fmt: skip
-    return sizes_of(model, config)
-
-
-def sizes_of(model: torch.nn.Module, config: Any) -> ModelSizes:
-    """Parameter counts of a built model (on the meta device, or a run's partitioned model:
-    ZeRO-3 parameters report `ds_numel`) and the text model's dimensions from its config."""
-    from align_anything import models
-
-    trainable, frozen = models.count_parameters(model)
-    largest = max(
-        (sum(models.full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()),
-        default=0,
-    )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return ModelSizes(
-        total=trainable + frozen,
-        trainable=trainable,
-        largest_layer=largest,
-        hidden=int(text.hidden_size),
-        layers=int(text.num_hidden_layers),
-        vocab=int(text.vocab_size),
-    )
+        except ConfigError as err:
+            raise ConfigError(f"{folder}: {err}") from None
+        if universal:
+            config = dsc.with_universal_load(config)
+    return DeepSpeedPlan(config, batch, precision, source, tuple(notes), universal)
 
 
 def estimate_preset(
@@ -127,17 +174,15 @@ def estimate_preset(
     precision: str,
 ) -> Estimate:
     """Per-device memory of `cfg` under one preset."""
-    from align_anything import engine as eng
-
-    stage = eng.zero_stage_of(ds_config)
-    offload_opt = eng.offloads_optimizer(ds_config)
-    offload_params = eng.offloads_params(ds_config)
+    stage = dsc.zero_stage_of(ds_config)
+    offload_opt = dsc.offloads_optimizer(ds_config)
+    offload_params = dsc.offloads_params(ds_config)
     nodes = max(1, world_size // gpus_per_node)
     n = world_size
     weight_bytes = 4 if precision == "fp32" else 2
     full_training = sizes.trainable == sizes.total and precision != "fp32"
     if full_training:
-        host, device = eng.deepspeed_model_state_estimate(
+        host, device = memory.deepspeed_model_state_estimate(
             stage, total_params=sizes.total, largest_layer_params=sizes.largest_layer,
             gpus_per_node=gpus_per_node, nodes=nodes, offload_optimizer=offload_opt,
             offload_params=offload_params,
@@ -166,8 +211,6 @@ def estimate_preset(
         source = "by hand (fp32)" if precision == "fp32" else "by hand (LoRA)"
     reference = 0.0
     if cfg.task == "dpo" and not cfg.model.lora.enabled:
-        from align_anything.losses import REFERENCE_FREE_LOSS_TYPES
-
         if cfg.dpo is not None and cfg.dpo.loss_type not in REFERENCE_FREE_LOSS_TYPES:
             offloaded = cfg.dpo.reference_offload
             reference = 0.0 if offloaded else sizes.total * weight_bytes / (n if stage == 3 else 1)
@@ -191,7 +234,7 @@ def estimate_preset(
         host=float(host),
         reference=reference,
         activations=float(activations),
-        paper=eng.estimate_model_state_memory(sizes.total, stage, n, offload=False) * GIB,
+        paper=memory.estimate_model_state_memory(sizes.total, stage, n, offload=False) * GIB,
         source=source,
     )
 
@@ -219,10 +262,12 @@ def plan(
     """Estimates for every shipped preset, the per-device budget and its source."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpus_per_node = gpus_per_node or local_devices(world_size)
-    sizes = model_sizes(cfg)
-    from align_anything.engine import resolve_precision
-
-    precision = resolve_precision(cfg.train.precision, device)
+    sizes = run_model_sizes(cfg)
+    precision = dsc.resolve_precision(
+        cfg.train.precision,
+        device,
+        bf16_supported=device == "cuda" and torch.cuda.is_bf16_supported(),
+    )
     estimates = []
     for name in PRESET_ORDER:
         preset, _ = load_preset(name)
@@ -294,33 +339,3 @@ def format_table(
     except ConfigError as err:
         lines.append(str(err))
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m align_anything.plan", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("--world-size", type=int, default=None,
-                        help="devices in the run (default: WORLD_SIZE, else visible GPUs, else 1)")  # fmt: skip
-    parser.add_argument("--gpus-per-node", type=int, default=None)
-    parser.add_argument(
-        "overrides", nargs="*", help="config overrides, as for align_anything.train"
-    )
-    args = parser.parse_args(argv)
-    world = args.world_size or int(
-        os.environ.get("WORLD_SIZE", torch.cuda.device_count() if torch.cuda.is_available() else 1)
-    )
-    try:
-        overrides = [o for o in args.overrides if not o.startswith("deepspeed=")]
-        cfg = load_config(overrides)
-        estimates, budget, source, sizes = plan(
-            cfg, world_size=world, gpus_per_node=args.gpus_per_node
-        )
-    except UserError as err:
-        return report(err)
-    print(format_table(estimates, budget, source, sizes, cfg=cfg, world_size=world))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

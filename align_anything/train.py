@@ -39,7 +39,7 @@ def strip_launcher_args(argv: Sequence[str]) -> list[str]:
 def run(overrides: Sequence[str]) -> None:
     """Validate the config, then set up, train, export and clean up."""
     from align_anything.config import load_config
-    from align_anything.preemption import StopRequest
+    from align_anything.trainers.preemption import StopRequest
 
     cfg = load_config(overrides)  # every config mistake surfaces here, before any import of torch
     from align_anything.errors import Preempted

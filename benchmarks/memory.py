@@ -7,7 +7,7 @@ For every shipped preset it runs the real entry point under the deepspeed launch
 ranks here; GPUs where there are some), reads every rank's peak from the run's summary.json
 (peak RSS on CPU, peak allocated memory on CUDA) and prints it beside
 
-- what `python -m align_anything.plan` estimates for the same run (total, and model states);
+- what `python -m align_anything plan` estimates for the same run (total, and model states);
 - the ZeRO paper's model-state figures for mixed-precision Adam: 16 bytes per parameter at
   ZeRO-0, 2 + 14/N at ZeRO-2, 16/N at ZeRO-3 (the CPU runs here are fp32, which the paper's
   figures do not describe; the planner accounts fp32 by hand).

@@ -159,7 +159,7 @@ def test_score_rejects_a_file_that_is_not_json(bad: Path, tmp_path: Path) -> Non
     source = tmp_path / "rows.jsonl"
     source.write_text('{"prompt": "hi", "response": "yo"}\nhello\n')
     result = subprocess.run(
-        [sys.executable, "-m", "align_anything.score", str(bad / "no_template"), str(source),
+        [sys.executable, "-m", "align_anything", "score", str(bad / "no_template"), str(source),
          "--out", str(tmp_path / "scored.jsonl")],
         cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ,
                                                             "HF_HUB_OFFLINE": "1"},

@@ -1,5 +1,5 @@
 """Checkpoints: resume equals the uninterrupted run, half-written checkpoints are never picked,
-and `align_anything.export` / `align_anything.score` reproduce what training saw."""
+and `align_anything export` / `align_anything score` reproduce what training saw."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def test_export_of_a_zero3_checkpoint_equals_the_final_folder(tmp_path: Path) ->
     run = launch([*SFT_CHECKPOINTED, "deepspeed=z3", "train.max_steps=2"], tmp_path / "z3").check()
     out = tmp_path / "exported"
     subprocess.run(
-        [sys.executable, "-m", "align_anything.export", str(run.output_dir / "checkpoints" / "step-2"),
+        [sys.executable, "-m", "align_anything", "export", str(run.output_dir / "checkpoints" / "step-2"),
          "--out", str(out)],
         cwd=REPO_ROOT, check=True, capture_output=True,
     )  # fmt: skip
@@ -107,7 +107,7 @@ def test_score_command_matches_the_model(rm_single: RunResult, tmp_path: Path) -
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "scored.jsonl"
     subprocess.run(
-        [sys.executable, "-m", "align_anything.score", str(final), str(source), "--out", str(out),
+        [sys.executable, "-m", "align_anything", "score", str(final), str(source), "--out", str(out),
          "--batch-size", "3"],
         cwd=REPO_ROOT, check=True, capture_output=True,
     )  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 from align_anything.config import available_presets, preset_path
-from align_anything.docs import (
+from align_anything.tools.docs import (
     README,
     REGENERATE,
     missing_descriptions,

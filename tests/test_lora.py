@@ -122,7 +122,7 @@ def test_zero3_adapter_has_trained_numbers_and_reloads_with_peft(
     assert abs(trained - before) > 1e-3
 
     # export merges the adapter into a plain model folder with the same outputs.
-    from align_anything.export import main as export_main
+    from align_anything.tools.export import main as export_main
 
     assert export_main([str(final), "--out", str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
@@ -133,8 +133,8 @@ def test_zero3_adapter_has_trained_numbers_and_reloads_with_peft(
 def test_rm_lora_trains_the_score_head_fully(tmp_path: Path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from align_anything.engine import checkpoint_state_dict
-    from align_anything.export import main as export_main
+    from align_anything.backend.universal import checkpoint_state_dict
+    from align_anything.tools.export import main as export_main
 
     run = launch(
         [*RM_ARGS, *LORA, "deepspeed=z2", "model.lora.save_merged=true",

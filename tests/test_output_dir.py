@@ -2,7 +2,7 @@
 overwrite_output_dir=true starts over without mixing old and new, checkpoints belong to their
 run, two runs at once cannot share a folder, a kill during the final save leaves the run marked
 incomplete, and export never deletes what its target held. Each through the real command line
-(`align_anything.train` / `align_anything.export`, in-process where the case ends before any
+(`align_anything.train` / `align_anything export`, in-process where the case ends before any
 compute, as a subprocess where it trains)."""
 
 from __future__ import annotations

@@ -48,7 +48,8 @@ def find_auto(node: Any, path: str = "") -> list[str]:
 
 
 def resolve(preset: dict[str, Any], **overrides: Any) -> tuple[dict[str, Any], Any, str]:
-    from align_anything.engine import AdamSettings, resolve_ds_config
+    from align_anything.backend.ds_config import AdamSettings
+    from align_anything.backend.ds_config import resolve_ds_config
 
     kwargs: dict[str, Any] = dict(
         world_size=1,
@@ -97,7 +98,7 @@ def test_preset_works_unchanged_in_hf_trainer(
     import torch
     from transformers import TrainingArguments
 
-    from align_anything.engine import AdamSettings
+    from align_anything.backend.ds_config import AdamSettings
     from align_anything.models import load_config as load_model_config
 
     preset = json.loads(preset_file.read_text())
@@ -218,7 +219,7 @@ def test_resolution_fills_every_auto(name: str, world_size: int) -> None:
 @pytest.mark.parametrize("name", PRESET_NAMES)
 @pytest.mark.parametrize("task", TASK_NAMES)
 def test_every_task_resolves_with_every_preset(task: str, name: str) -> None:
-    from align_anything.engine import AdamSettings
+    from align_anything.backend.ds_config import AdamSettings
 
     cfg = load_config([f"task={task}", f"deepspeed={name}"])
     train = cfg.train
@@ -433,14 +434,10 @@ def _probe_engine(name: str) -> dict[str, Any]:
     fixed batch, one training step, another forward."""
     import torch
 
-    from align_anything.engine import (
-        AdamSettings,
-        Engine,
-        model_init_context,
-        resolve_ds_config,
-        setup_distributed,
-        zero_stage_of,
-    )
+    from align_anything.backend.distributed import setup_distributed
+    from align_anything.backend.ds_config import AdamSettings, resolve_ds_config, zero_stage_of
+    from align_anything.backend.engine import Engine
+    from align_anything.backend.zero_init import model_init_context
     from align_anything.models import load_causal_lm, text_hidden_size
     from align_anything.models import load_config as load_model_config
 

@@ -1,4 +1,4 @@
-"""`python -m align_anything.presets list | show NAME | export NAME DIR`."""
+"""`python -m align_anything presets list | show NAME | export NAME DIR`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from align_anything.config import available_presets, preset_path
-from align_anything.presets import WHEN_TO_USE, main
+from align_anything.tools.presets import WHEN_TO_USE, main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ def test_every_shipped_preset_says_when_to_use_it() -> None:
 
 def test_list_names_every_preset_with_its_line() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "align_anything.presets", "list"],
+        [sys.executable, "-m", "align_anything", "presets", "list"],
         cwd=REPO_ROOT, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     lines = out.splitlines()

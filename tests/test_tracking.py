@@ -163,7 +163,7 @@ def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_plot_draws_loss_and_task_metrics(tracked_run: RunResult, tmp_path: Path) -> None:
     from PIL import Image
 
-    from align_anything.plot import build_figure, main, read_metrics
+    from align_anything.tools.plot import build_figure, main, read_metrics
 
     figure = build_figure(read_metrics(tracked_run.output_dir))
     titles = [axis.get_title() for axis in figure.axes]
@@ -182,7 +182,7 @@ def test_plot_draws_loss_and_task_metrics(tracked_run: RunResult, tmp_path: Path
 
 
 def test_plot_names_a_missing_metrics_file(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from align_anything.plot import main
+    from align_anything.tools.plot import main
 
     assert main([str(tmp_path)]) == 2
     assert f"{tmp_path / 'metrics.jsonl'}: no such file" in capsys.readouterr().err

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from align_anything.data.formats import DataReport, RowRejected, as_messages
-from align_anything.errors import ConfigError, DataError, ModelError, did_you_mean
+from align_anything.errors import ConfigError, ModelError, did_you_mean
 
 TRUNCATION_MODES = ("drop", "truncate_prompt", "truncate_completion")
 IGNORE_INDEX = -100
@@ -173,24 +173,6 @@ def _encode_pair(
     }
 
 
-def _check_shape(records: Sequence[Mapping[str, Any]], wanted: str) -> None:
-    """Fail once, clearly, when a whole dataset has the other record shape."""
-    if not records:
-        return
-    first = records[0]
-    if wanted == "sft" and "messages" not in first and "chosen" in first:
-        raise DataError(
-            "SFT encoding needs conversation records ('messages'), but these are preference "
-            "pairs (prompt/chosen/rejected). Use conversation or prompt_response data for SFT, "
-            "or a preference task (dpo, rm) for this data."
-        )
-    if wanted == "preference" and "chosen" not in first and "messages" in first:
-        raise DataError(
-            "preference encoding needs prompt/chosen/rejected records, but these are "
-            "conversations ('messages'). Use preference or hh data, or the sft task."
-        )
-
-
 def encode_sft(
     records: Sequence[Mapping[str, Any]],
     tokenizer: Any,
@@ -206,7 +188,6 @@ def encode_sft(
     through. See the module docstring for `truncation`; dropped rows are counted in the report.
     """
     _check_arguments(tokenizer, max_length, truncation)
-    _check_shape(records, "sft")
     report = DataReport(
         source=f"encode_sft(max_length={max_length}, truncation={truncation!r})",
         total=len(records),
@@ -240,7 +221,6 @@ def encode_preference(
     `max_length` under `truncation` are dropped and counted in the report.
     """
     _check_arguments(tokenizer, max_length, truncation)
-    _check_shape(records, "preference")
     report = DataReport(
         source=f"encode_preference(max_length={max_length}, truncation={truncation!r})",
         total=len(records),

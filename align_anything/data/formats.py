@@ -595,3 +595,17 @@ def split_records(
     train = [r for i, r in enumerate(records) if i not in held_out]
     evaluation = [r for i, r in enumerate(records) if i in held_out]
     return train, evaluation
+
+
+def check_kind(records: Sequence[Mapping[str, Any]], kind: str, *, source: str, task: str) -> None:
+    """Fail once, clearly, when a dataset holds the other record kind than the task needs
+    ("conversation" or "preference")."""
+    if not records:
+        return
+    key = "messages" if kind == "conversation" else "chosen"
+    if key not in records[0]:
+        found = "preference pairs" if "chosen" in records[0] else "conversations"
+        raise DataError(
+            f"task={task} needs {kind} data, but {source} holds {found}. "
+            f"Choose a {kind} dataset with data.path=..."
+        )

@@ -13,10 +13,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from align_anything import engine as eng
-from align_anything import models, multimodal
 from align_anything.data import DataReport, collate_preference, encode_preference
 from align_anything.errors import DataError
+from align_anything.forward import sequence_scores
 from align_anything.losses import reward_loss
 from align_anything.trainers.base import Trainer
 
@@ -71,16 +70,7 @@ class RMTrainer(Trainer):
         )
 
     def build_model(self) -> torch.nn.Module:
-        if self.media is not None:  # the VLM's base model + a score head at the last real token
-            model = multimodal.load_reward_model(
-                self.model_path, self.model_config, dtype=eng.torch_dtype(self.precision)
-            )
-            model.config.pad_token_id = self.tokenizer.pad_token_id
-            return model
-        model = models.load_sequence_classifier(
-            self.model_path, dtype=eng.torch_dtype(self.precision),
-            trust_remote_code=self.cfg.model.trust_remote_code,
-        )  # fmt: skip
+        model = super().build_model()  # a reward model: see models.loading.model_class
         model.config.pad_token_id = self.tokenizer.pad_token_id
         return model
 
@@ -90,19 +80,10 @@ class RMTrainer(Trainer):
     def count_items(self, batch: dict[str, torch.Tensor]) -> int:
         return batch["input_ids"].shape[0] // 2
 
-    def scores(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        output = self.engine(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            **multimodal.media_inputs(batch),
-        )
-        # A multimodal batch may end with a dummy row (see MediaSupport.attach).
-        return output.logits.squeeze(-1).float()[: batch.get("real_rows", output.logits.shape[0])]
-
     def compute_loss(
         self, batch: dict[str, torch.Tensor], *, normalizer: float, training: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        rewards = self.scores(batch)
+        rewards = sequence_scores(self.engine, batch)
         half = rewards.shape[0] // 2
         chosen, rejected = rewards[:half], rewards[half:]
         margin = batch.get("margin")
@@ -123,7 +104,7 @@ class RMTrainer(Trainer):
         }
         return loss_sum / normalizer, metrics
 
-    def _metric_keys(self) -> list[str]:
+    def metric_keys(self) -> list[str]:
         return ["loss", "accuracy", "margin", "reward_sum", "reward_sq_sum"]
 
     def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:

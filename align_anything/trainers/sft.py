@@ -8,15 +8,10 @@ from typing import ClassVar
 
 import torch
 
-from align_anything.data import DataReport, collate_sft, encode_sft
-from align_anything.losses import IGNORE_INDEX
-from align_anything.shared_prompt import (
-    collate_shared_sft,
-    mask_dtype,
-    shared_prefix_logps,
-    supports_shared_prompt,
-)
-from align_anything.trainers.base import Trainer, completion_forward
+from align_anything.data import IGNORE_INDEX, DataReport, collate_sft, encode_sft
+from align_anything.data.layouts import collate_shared_sft, mask_dtype, supports_shared_prompt
+from align_anything.forward import completion_forward, shared_prefix_logps
+from align_anything.trainers.base import Trainer
 
 
 class SFTTrainer(Trainer):

@@ -1,6 +1,6 @@
 """A shipped align_anything preset, unchanged, in the Hugging Face Trainer.
 
-    python -m align_anything.presets export z2 my_project/          # copy the preset out
+    python -m align_anything presets export z2 my_project/          # copy the preset out
     python examples/hf_trainer_preset/train.py --deepspeed my_project/ds_z2_config.json
     deepspeed --num_gpus 2 examples/hf_trainer_preset/train.py --deepspeed my_project/ds_z2_config.json
 

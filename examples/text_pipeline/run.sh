@@ -25,7 +25,7 @@ train task=rm model.name_or_path="$OUT/sft/final" train.max_steps="${RM_STEPS:-1
     train.learning_rate=3e-5 data.max_eval_samples=32 output_dir="$OUT/rm"
 
 echo "== 3/4 score answers with the reward model (the preferred one of each pair should win)"
-"$PYTHON" -m align_anything.score "$OUT/rm/final" "$here/pairs.jsonl" --out "$OUT/scored.jsonl"
+"$PYTHON" -m align_anything score "$OUT/rm/final" "$here/pairs.jsonl" --out "$OUT/scored.jsonl"
 "$PYTHON" - "$OUT/scored.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
@@ -38,6 +38,6 @@ train task=dpo model.name_or_path="$OUT/sft/final" train.max_steps="${DPO_STEPS:
     dpo.generation_check_samples=16 data.max_eval_samples=32 output_dir="$OUT/dpo"
 
 for stage in sft rm dpo; do
-    "$PYTHON" -m align_anything.plot "$OUT/$stage"
+    "$PYTHON" -m align_anything plot "$OUT/$stage"
 done
 echo "done: models in $OUT/{sft,rm,dpo}/final, curves in $OUT/*/metrics.png"

@@ -1,7 +1,7 @@
 """Export an align_anything checkpoint to a plain Hugging Face folder.
 
-    python -m align_anything.export outputs/sft/checkpoints/step-200 --out exported/
-    python -m align_anything.export outputs/sft/final --out merged/     # a LoRA adapter folder
+    python -m align_anything export outputs/sft/checkpoints/step-200 --out exported/
+    python -m align_anything export outputs/sft/final --out merged/     # a LoRA adapter folder
 
 Works for checkpoints of any ZeRO stage and world size, on one CPU process: the partitions are
 merged by DeepSpeed's own `zero_to_fp32`, the architecture and tokenizer come from the run's
@@ -23,7 +23,7 @@ from align_anything.errors import ConfigError, UserError, report
 def check_target(out: Path, *, overwrite: bool) -> None:
     """Refuse, before any work, an --out that is a file or a non-empty folder; with
     `overwrite`, a non-empty folder only when an earlier export made it."""
-    from align_anything.lora import EXPORT_RECORD
+    from align_anything.models.lora import EXPORT_RECORD
 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder: choose a folder path")
@@ -47,10 +47,12 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
     """Write the HF folder for `checkpoint` to `out` (atomically: temporary folder, then rename;
     an existing `out` only when empty, or an earlier export and `overwrite`)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    from align_anything import lora, models
-    from align_anything.engine import checkpoint_state_dict
+    from align_anything.backend.universal import checkpoint_state_dict
+    from align_anything.models import lora
+    from align_anything.models.loading import empty_model, load_config, load_tokenizer
+    from align_anything.models.zoo import resolve_model_path
+    from align_anything.trainers import checkpoints
 
     folder = Path(checkpoint)
     target = Path(out)
@@ -60,12 +62,10 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
             f"--out {out} is inside the checkpoint {checkpoint}: choose a folder outside it"
         )
     if (folder / "deepspeed").is_dir():
-        from align_anything import checkpoints
-
         problem = checkpoints.verify(folder)
         if problem is not None:
             raise ConfigError(f"{checkpoint} is not a complete checkpoint: {problem}")
-    record = {"exported_from": str(folder.resolve()), "tool": "python -m align_anything.export"}
+    record = {"exported_from": str(folder.resolve()), "tool": "python -m align_anything export"}
     config_file = folder / "run_config.json"
     if not config_file.exists():
         raise ConfigError(
@@ -73,19 +73,15 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
             "(output_dir/checkpoints/step-N) or the final/ folder of a LoRA run"
         )
     run = json.loads(config_file.read_text())
-    model_path = models.resolve_model_path(run["model"]["name_or_path"])
+    model_path = resolve_model_path(run["model"]["name_or_path"])
     if lora.is_adapter_folder(folder):
         return lora.merge_adapter_folder(
             folder, model_path, target, task=run["task"], export_record=record
         )
     trust = bool(run["model"].get("trust_remote_code", False))
-    config = models.load_config(model_path, trust_remote_code=trust)
-    tokenizer = models.load_tokenizer(model_path, trust_remote_code=trust)
-    if run["task"] == "rm":
-        config.num_labels = 1
-        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config = load_config(model_path, trust_remote_code=trust)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=trust)
+    model = empty_model(config, reward=run["task"] == "rm", dtype=torch.float32)
     adapters = run["model"].get("lora", {})
     if adapters.get("enabled"):
         model = lora.add_adapters(
@@ -112,7 +108,7 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m align_anything.export", description=__doc__.split("\n")[0]
+        prog="python -m align_anything export", description=__doc__.split("\n")[0]
     )
     parser.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step-N)")
     parser.add_argument(

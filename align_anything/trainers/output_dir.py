@@ -23,8 +23,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from align_anything import atomic, checkpoints
-from align_anything.errors import ConfigError
+from align_anything import atomic
+from align_anything.errors import CheckpointError, ConfigError
+from align_anything.trainers import checkpoints
 
 LOCK = ".lock"
 RUN_FILE = "run.json"
@@ -173,3 +174,62 @@ def remove_previous(output_dir: Path) -> list[str]:
         else:
             path.unlink()
     return removed
+
+
+def claim(
+    output_dir: Path, lock: Lock, *, resume: str | None, overwrite: bool, notes: list[str]
+) -> tuple[str, Path | None]:
+    """Take `output_dir` for a run: check it is a writable folder, take the lock, and decide
+    the run id and the checkpoint to resume from (None: start fresh). Refuses to replace an
+    earlier run's results unless `overwrite` (which removes them first). Appends what it did
+    or skipped to `notes`. Run on one rank (rank 0)."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir={str(out)!r} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"output_dir={str(out)!r} is not writable: {err}") from None
+    lock.acquire()
+    notes += [lock.note] if lock.note else []
+    if overwrite and resume is not None:
+        raise ConfigError(
+            f"overwrite_output_dir=true starts over, resume={resume!r} continues: choose one"
+        )
+    previous = previous_outputs(out)
+    run = read_run(out) or {}
+    root = out / "checkpoints"
+    if resume is None:
+        if previous and not overwrite:
+            raise refuse_existing(out)
+        if previous:
+            removed = remove_previous(out)
+            notes.append(f"overwrite_output_dir=true: removed {', '.join(removed)} from {out}")
+        return new_run_id(), None
+    if resume == "auto":
+        found, skipped = checkpoints.newest_complete(root, run.get("run_id"))
+        notes += [f"resume=auto skipped {s.describe()}" for s in skipped]
+        if found is not None:
+            return checkpoints.run_id_of(found) or new_run_id(), found
+        if previous:
+            why = "; ".join(s.describe() for s in skipped)
+            raise refuse_existing(
+                out, reason=" but no complete checkpoint of it to resume"
+                + (f" (skipped {why})" if why else "")
+            )  # fmt: skip
+        return new_run_id(), None
+    path = Path(resume)
+    problem = checkpoints.verify(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"resume={resume!r} is not a complete align_anything checkpoint: {problem} "
+            f"(checkpoints live under {root}/{checkpoints.PREFIX}N; resume=auto picks the "
+            "newest complete one)"
+        )
+    run_id = checkpoints.run_id_of(path) or new_run_id()
+    if previous and run.get("run_id") != run_id:
+        raise refuse_existing(out, reason=f", not the run of {path}")
+    return run_id, path

@@ -1,4 +1,4 @@
-"""Model and tokenizer resolution: built-in names, local folders, and hub names.
+"""The built-in model zoo: names that need no hub, for the offline default run and the tests.
 
 Built-in names serve the offline default run and the tests:
 - `smollm2-135m-instruct`: the real SmolLM2-135M-Instruct, shipped as GGUF in the PyPI package
@@ -9,7 +9,7 @@ Built-in names serve the offline default run and the tests:
   stage loads the very same numbers through `from_pretrained` (random init under `zero.Init`
   would otherwise differ from the model's own init).
 - `tiny-random-llava`, `tiny-random-qwen2-audio`: the same for an image-text and an audio-text
-  model, with a processor made locally (see align_anything/multimodal.py).
+  model, with a processor made locally (built here).
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from align_anything import atomic
-from align_anything.errors import ModelError, did_you_mean
+from align_anything.errors import ModelError
+
+TEXT_SIZE = 64  # hidden size of the tiny language models
 
 
 def cache_dir() -> Path:
@@ -103,15 +107,91 @@ def _build_tiny_llama(target: Path) -> None:
     tokenizer.save_pretrained(target)
 
 
-def _build_tiny_llava(target: Path) -> None:
-    from align_anything.multimodal import build_tiny_llava
+def _text_config_kwargs(tokenizer: Any) -> dict[str, Any]:
+    return dict(
+        vocab_size=len(tokenizer), hidden_size=TEXT_SIZE, intermediate_size=2 * TEXT_SIZE,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
 
+
+def build_tiny_llava(target: Path, tokenizer: Any) -> None:
+    """A LLaVA-architecture model: 2-layer CLIP vision tower (16x16 images, 4x4 patches: 16
+    image tokens), MLP projector, 2-layer Llama; SmolLM2's tokenizer plus `<image>`."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    image_processor = LlavaImageProcessorPil(
+        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=4,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        chat_template=tokenizer.chat_template,
+    )  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        image_size=16, patch_size=4, projection_dim=32,
+    )  # fmt: skip
+    config = LlavaConfig(
+        vision_config=vision, text_config=LlamaConfig(**_text_config_kwargs(tokenizer)),
+        image_token_id=processor.image_token_id, vision_feature_select_strategy="default",
+        vision_feature_layer=-1, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model.save_pretrained(target, safe_serialization=True)
+    processor.save_pretrained(target)
+
+
+def build_tiny_qwen2_audio(target: Path, tokenizer: Any) -> None:
+    """A Qwen2-Audio-architecture model: 2-layer Whisper-style encoder on 16 mel bins over 2 s
+    windows (a 1 s clip: 25 audio tokens), linear projector, 2-layer Qwen2; SmolLM2's tokenizer
+    plus the audio tokens; a Whisper feature extractor at 16 kHz."""
+    from transformers import (
+        Qwen2AudioConfig,
+        Qwen2AudioEncoderConfig,
+        Qwen2AudioForConditionalGeneration,
+        Qwen2AudioProcessor,
+        Qwen2Config,
+        WhisperFeatureExtractor,
+    )
+
+    tokenizer.add_tokens(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"], special_tokens=True)
+    extractor = WhisperFeatureExtractor(
+        feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=2, n_fft=400
+    )
+    processor = Qwen2AudioProcessor(
+        feature_extractor=extractor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+    )
+    audio = Qwen2AudioEncoderConfig(
+        num_mel_bins=16, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
+        d_model=32, max_source_positions=100,
+    )  # fmt: skip
+    config = Qwen2AudioConfig(
+        audio_config=audio, text_config=Qwen2Config(**_text_config_kwargs(tokenizer)),
+        audio_token_id=processor.audio_token_id, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2AudioForConditionalGeneration(config).to(torch.float32)
+    model.save_pretrained(target, safe_serialization=True)
+    processor.save_pretrained(target)
+
+
+def _build_tiny_llava(target: Path) -> None:
     build_tiny_llava(target, _load_gguf_tokenizer())
 
 
 def _build_tiny_qwen2_audio(target: Path) -> None:
-    from align_anything.multimodal import build_tiny_qwen2_audio
-
     build_tiny_qwen2_audio(target, _load_gguf_tokenizer())
 
 
@@ -119,7 +199,7 @@ def _build_tiny_qwen2_audio(target: Path) -> None:
 BUILTIN_MODELS: dict[str, tuple[Callable[[Path], None], int]] = {
     "smollm2-135m-instruct": (_build_smollm2, 1),
     "tiny-random-llama": (_build_tiny_llama, 1),
-    # Image-text and audio-text (align_anything/multimodal.py): tiny encoders + tiny LM.
+    # Image-text and audio-text: tiny encoders + tiny LM (builders above).
     "tiny-random-llava": (_build_tiny_llava, 1),
     "tiny-random-qwen2-audio": (_build_tiny_qwen2_audio, 1),
 }
@@ -166,129 +246,3 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         raise ModelError(f"model.name_or_path={name_or_path!r}: no such folder")
     return name_or_path
-
-
-def _not_found(name_or_path: str, err: Exception) -> ModelError:
-    hint = did_you_mean(name_or_path, BUILTIN_MODELS)
-    return ModelError(
-        f"model.name_or_path={name_or_path!r} could not be loaded: it is not a built-in name"
-        f"{hint} ({', '.join(BUILTIN_MODELS)}), not a local folder, and not in the local Hugging "
-        f"Face cache ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
-    )
-
-
-def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
-    """The model's tokenizer, with a pad token (EOS when the tokenizer has none)."""
-    from transformers import AutoTokenizer
-
-    path = resolve_model_path(name_or_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise _not_found(name_or_path, err) from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_config(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
-    """The model's transformers config (cheap: no weights)."""
-    from transformers import AutoConfig
-
-    path = resolve_model_path(name_or_path)
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise _not_found(name_or_path, err) from None
-
-
-def text_hidden_size(config: Any) -> int:
-    """Hidden size of the language model (the text part of multimodal configs)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text.hidden_size)
-
-
-def load_causal_lm(name_or_path: str, *, dtype: Any, trust_remote_code: bool = False) -> Any:
-    """Load a causal LM from a built-in name, folder or hub name. Call inside
-    `engine.model_init_context` so ZeRO-3 loads partitioned weights."""
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path(name_or_path)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError) as err:
-        raise _not_found(name_or_path, err) from None
-    return keep_architecture_frozen(model)
-
-
-def load_sequence_classifier(
-    name_or_path: str, *, dtype: Any, trust_remote_code: bool = False
-) -> Any:
-    """A causal LM checkpoint with a one-output score head (new head, randomly initialised when
-    the checkpoint has none), for reward models."""
-    from transformers import AutoModelForSequenceClassification
-    from transformers.utils import logging as hf_logging
-
-    path = resolve_model_path(name_or_path)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the "newly initialized: score.weight" notice is expected
-    try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code
-        )
-    except (OSError, ValueError) as err:
-        raise _not_found(name_or_path, err) from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return keep_architecture_frozen(model)
-
-
-def keep_architecture_frozen(model: Any) -> Any:
-    """Turn gradients off again for the parameters the architecture itself creates frozen.
-
-    transformers 5.24's loader (outside ZeRO-3) replaces each loaded parameter with a new
-    `nn.Parameter(requires_grad=True)` (`core_model_loading`), dropping any `requires_grad_(False)`
-    of the model's `__init__`, e.g. the position table of Qwen2-Audio's (Whisper-style) encoder.
-    Under ZeRO-3 it copies the weights into the parameters `zero.Init` built, so the flags stay:
-    without this, such a parameter trains under ZeRO-0/1/2 and not under ZeRO-3, and runs on
-    different stages differ. The architecture's own flags come from building the same class from
-    the config on the meta device (no memory, no weights); no transformers API keeps them.
-    """
-    import torch
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    if is_deepspeed_zero3_enabled():  # flags kept (and a build here would run under zero.Init)
-        return model
-    try:
-        with torch.device("meta"):
-            reference = type(model)(model.config)
-    except Exception as err:  # e.g. remote code that cannot build on the meta device
-        print(
-            f"warning: could not rebuild {type(model).__name__} on the meta device to restore "
-            f"its frozen parameters ({type(err).__name__}); all loaded parameters train",
-            flush=True,
-        )
-        return model
-    frozen = {name for name, param in reference.named_parameters() if not param.requires_grad}
-    for name, param in model.named_parameters():
-        if name in frozen:
-            param.requires_grad_(False)
-    return model
-
-
-def full_numel(param: Any) -> int:
-    """A parameter's full element count, also when ZeRO-3 has partitioned it (`ds_numel`)."""
-    return getattr(param, "ds_numel", None) or param.numel()
-
-
-def count_parameters(model: Any) -> tuple[int, int]:
-    """(trainable, frozen) parameter counts, of whole parameters also under ZeRO-3."""
-    trainable = frozen = 0
-    for param in model.parameters():
-        if param.requires_grad:
-            trainable += full_numel(param)
-        else:
-            frozen += full_numel(param)
-    return trainable, frozen

@@ -1,8 +1,8 @@
 """The README's configuration reference, generated from the pydantic schema (`RunConfig`).
 
-    python -m align_anything.docs --write     # rewrite the block in README.md
-    python -m align_anything.docs --check     # exit 1 when README.md is out of date (a test runs this)
-    python -m align_anything.docs             # print the block
+    python -m align_anything docs --write     # rewrite the block in README.md
+    python -m align_anything docs --check     # exit 1 when README.md is out of date (a test runs this)
+    python -m align_anything docs             # print the block
 
 The block sits between `<!-- config-reference:start -->` and `<!-- config-reference:end -->`.
 Each key is listed with its type, its default as a run sees it (train.yaml composed with each
@@ -27,7 +27,7 @@ from align_anything.config import CONFIG_DIR, TASK_SECTIONS, RunConfig, availabl
 README = Path(__file__).resolve().parents[1] / "README.md"
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
-REGENERATE = "python -m align_anything.docs --write"
+REGENERATE = "python -m align_anything docs --write"
 # Bookkeeping fields the loader fills in; not keys a user sets.
 INTERNAL = frozenset({"explicit_keys", "deepspeed_source"})
 # The schema holds the loaded preset JSON; on the command line the key takes a name or a path.
@@ -166,7 +166,7 @@ def updated_readme(text: str, block: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m align_anything.docs", description=__doc__.split("\n")[0]
+        prog="python -m align_anything docs", description=__doc__.split("\n")[0]
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="rewrite the block in README.md")

@@ -1,8 +1,8 @@
 """The shipped DeepSpeed presets, from the command line.
 
-    python -m align_anything.presets list              # each preset with when to use it
-    python -m align_anything.presets show z3           # print the JSON as shipped
-    python -m align_anything.presets export z3 DIR     # copy ds_z3_config.json into DIR, unchanged
+    python -m align_anything presets list              # each preset with when to use it
+    python -m align_anything presets show z3           # print the JSON as shipped
+    python -m align_anything presets export z3 DIR     # copy ds_z3_config.json into DIR, unchanged
 
 The files are standalone DeepSpeed JSON with "auto" where a value depends on the run, following
 the HF Trainer's and accelerate's conventions, so an exported preset works there as it is
@@ -63,7 +63,7 @@ def export_preset(name: str, directory: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m align_anything.presets", description=__doc__.split("\n")[0]
+        prog="python -m align_anything presets", description=__doc__.split("\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="list the presets with when to use each")

@@ -162,3 +162,45 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class MetricWindow:
+    """Training metrics between two logged steps: per-item sums, items, tokens, time."""
+
+    def __init__(self) -> None:
+        self.start = self._window_start = time.perf_counter()
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.items = self.tokens = 0.0
+        self.learning_rate = 0.0
+        self.grad_norm: float | None = None
+        self._window_start = time.perf_counter()
+
+    def add(self, step: Any) -> None:
+        """One step's `StepResult` (metric sums, items, tokens, rate, gradient norm)."""
+        for key, value in step.sums.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.items += step.items
+        self.tokens += step.tokens
+        self.learning_rate, self.grad_norm = step.learning_rate, step.grad_norm
+
+    def averages(self) -> dict[str, float]:
+        """Each metric per item (token for SFT, pair for DPO/RM) over the window."""
+        return {k: v / max(self.items, 1.0) for k, v in self.sums.items()}
+
+    def rates(self, *, samples: bool) -> dict[str, float | None]:
+        """The last step's rate and norm, throughput over the window, time since the start."""
+        now = time.perf_counter()
+        elapsed = max(now - self._window_start, 1e-9)
+        return {
+            "learning_rate": self.learning_rate,
+            "grad_norm": self.grad_norm,
+            "tokens_per_second": self.tokens / elapsed,
+            "samples_per_second": self.items / elapsed if samples else None,
+            "elapsed_seconds": now - self.start,
+        }
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

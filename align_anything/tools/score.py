@@ -1,6 +1,6 @@
 """Score prompt/response pairs with a trained reward model.
 
-    python -m align_anything.score outputs/rm/final pairs.jsonl --out scored.jsonl
+    python -m align_anything score outputs/rm/final pairs.jsonl --out scored.jsonl
 
 Input rows hold `prompt` and `response` (strings or message lists) or a whole conversation in
 `messages`; other columns pass through. Each output row is the input row plus `score`. The text
@@ -86,7 +86,7 @@ def score_rows(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m align_anything.score", description=__doc__.split("\n")[0]
+        prog="python -m align_anything score", description=__doc__.split("\n")[0]
     )
     parser.add_argument("model", help="a reward-model folder (output_dir/final of task=rm)")
     parser.add_argument("input", help="a JSONL file of prompt/response rows")

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from align_anything.losses import IGNORE_INDEX, selected_token_logps
+from align_anything.data.encode import IGNORE_INDEX
 
 # Attention implementations that accept a dense 4D mask as given.
 DENSE_MASK_ATTENTION = ("sdpa", "eager")
@@ -197,38 +197,3 @@ def collate_shared_sft(
     return collate_shared_prefix(
         [group], num_sequences=len(rows), pad_id=pad_id, additive_mask_dtype=additive_mask_dtype
     )
-
-
-def shared_prefix_logps(
-    model: Any, batch: Mapping[str, Tensor], *, completion_only: bool
-) -> tuple[Tensor, Tensor]:
-    """Summed log-probs of the scored tokens and their counts per sequence ([S], [S]; for DPO
-    S = 2B: chosen of every pair, then rejected), from a `collate_shared_prefix` batch.
-
-    With `completion_only`, the LM head runs only at the predicting positions (transformers'
-    `logits_to_keep` mask); otherwise on every position, and the needed rows are picked after.
-    """
-    input_ids = batch["input_ids"]
-    positions = batch["score_positions"]
-    kwargs = {
-        "input_ids": input_ids,
-        "attention_mask": batch["shared_prefix_mask"],
-        "position_ids": batch["position_ids"],
-    }
-    if completion_only:
-        keep = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
-        keep[positions] = True
-        # Row of each kept position in the [kept, V] logits (row-major order of the mask).
-        kept_row = keep.long().cumsum(0) - 1
-        logits = model(**kwargs, logits_to_keep=keep.view_as(input_ids)).logits
-        logits = logits.reshape(-1, logits.shape[-1])[kept_row[positions]]
-    else:
-        logits = model(**kwargs).logits
-        logits = logits.reshape(-1, logits.shape[-1])[positions]
-    token_logps = selected_token_logps(logits, batch["score_targets"])
-    sequences = batch["score_sequences"]
-    num_sequences = int(batch["num_sequences"])
-    sums = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
-    counts = torch.zeros(num_sequences, dtype=torch.long, device=token_logps.device)
-    counts.index_add_(0, sequences, torch.ones_like(sequences))
-    return sums.index_add(0, sequences, token_logps), counts

@@ -1,18 +1,11 @@
-"""Image-text and audio-text models through the same trainers as text models.
+"""Media in the data pipeline, for image-text and audio-text models.
 
-What differs from a text model is kept here, so the trainers stay shared:
-
-- built-in tiny models (`tiny-random-llava`, `tiny-random-qwen2-audio`): tiny encoders and a tiny
-  language model built from config, with a processor made locally from SmolLM2's tokenizer plus
-  the placeholder tokens, a PIL-backend image processor and a Whisper feature extractor;
-- loading the model (`AutoModelForMultimodalLM`), its processor, and a reward model (the VLM's
-  base model plus a one-output score head read at the last real token);
-- `model.freeze` by part (vision_tower, audio_tower, projector, language_model) and the
-  per-part parameter summary;
-- `MediaSupport`: placeholders written into the prompt text with exactly as many placeholder
-  tokens as the processor gives the media (so the text encoders, truncation and prefix checks of
-  `data.encode` work unchanged), media checked cheaply at data preparation, decoded per batch in
-  the collate step, and a dummy row for a batch without media (see `MediaSupport.attach`).
+`MediaSupport` writes each item's placeholder into the prompt text already expanded to as many
+placeholder tokens as the processor gives an item of that size (so the text encoders,
+truncation and prefix checks of `data.encode` work unchanged), checks media cheaply at data
+preparation, decodes them per batch in the collate step, and adds a dummy row to a batch
+without media (see `MediaSupport.attach`). `media_inputs` picks a batch's media tensors for the
+model's forward.
 """
 
 from __future__ import annotations
@@ -39,193 +32,15 @@ from align_anything.data.media import (
     probe_image,
     target_samples,
 )
-from align_anything.errors import ConfigError, DataError, ModelError
-from align_anything.models import full_numel, keep_architecture_frozen
+from align_anything.errors import DataError
 
 # Batch keys a multimodal model's forward takes besides input_ids / attention_mask.
 MEDIA_MODEL_INPUTS = (
     "pixel_values", "image_sizes", "image_grid_thw", "input_features", "feature_attention_mask",
 )  # fmt: skip
+
 # Markers a record may put in its text to place its media: k-th marker = k-th item.
 MARKERS = {"image": "<image>", "audio": "<audio>"}
-# Parts `model.freeze` names, matched against parameter-name components in this order (the
-# projector first: Qwen2-VL's merger sits inside `visual`). Anything unmatched is the language
-# model, except a reward head.
-PARTS = ("vision_tower", "audio_tower", "projector", "language_model")
-_PART_COMPONENTS = {
-    "projector": ("multi_modal_projector", "merger", "connector", "mm_projector"),
-    "vision_tower": ("vision_tower", "visual", "vision_model"),
-    "audio_tower": ("audio_tower", "audio_model"),
-    "head": ("score", "v_head"),
-}
-TEXT_SIZE = 64  # hidden size of the tiny language models
-
-
-# --------------------------------------------------------------------------- detection, loading
-
-
-def modalities_of(config: Any) -> tuple[str, ...]:
-    """The media a model config takes: ("image",), ("audio",), both, or () for a text model."""
-    found = []
-    if getattr(config, "vision_config", None) is not None:
-        found.append("image")
-    if getattr(config, "audio_config", None) is not None:
-        found.append("audio")
-    return tuple(found)
-
-
-def load_processor(path: str, *, trust_remote_code: bool = False) -> Any:
-    """The model's processor (tokenizer + image processor / feature extractor), pad token set."""
-    from transformers import AutoProcessor
-
-    try:
-        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise ModelError(f"cannot load the processor of {path}: {err}") from None
-    tokenizer = getattr(processor, "tokenizer", None)
-    if tokenizer is None:
-        raise ModelError(f"the processor of {path} has no tokenizer")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return processor
-
-
-def load_multimodal_lm(path: str, *, dtype: Any, trust_remote_code: bool = False) -> Any:
-    """An image-text or audio-text generation model (`AutoModelForMultimodalLM`)."""
-    from transformers import AutoModelForMultimodalLM
-
-    model = AutoModelForMultimodalLM.from_pretrained(
-        path, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    return keep_architecture_frozen(model)
-
-
-def last_real_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of each row's last attended position, whatever the padding side ([B])."""
-    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    return (positions * attention_mask.long()).argmax(dim=1)
-
-
-class RewardHeadMixin:
-    """A multimodal base model (no LM head) and a one-output score at the last real token.
-
-    Combined with a model family's PreTrainedModel class by `reward_model_class`, so weight
-    init, attention implementations and checkpoint layout follow the family: a generation
-    checkpoint's `model.*` weights load into `self.model`, its `lm_head` is unused and `score` is
-    new. Registered with `AutoModelForSequenceClassification`, so after `import
-    align_anything.multimodal` the exported folder loads with `from_pretrained`.
-    """
-
-    def __init__(self, config: Any) -> None:
-        from transformers import AutoModel
-
-        super().__init__(config)
-        self.model = AutoModel.from_config(config)
-        self.score = torch.nn.Linear(config.get_text_config().hidden_size, 1, bias=False)
-        self.post_init()
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **media: Any) -> Any:
-        from transformers.modeling_outputs import SequenceClassifierOutputWithPast
-
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **media)[0]
-        last = last_real_index(attention_mask)
-        picked = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
-        return SequenceClassifierOutputWithPast(logits=self.score(picked))
-
-
-_REWARD_CLASSES: dict[type, type] = {}
-
-
-def reward_model_class(config_class: type) -> type:
-    """The reward-model class for a multimodal config class (built once, registered with
-    `AutoModelForSequenceClassification`)."""
-    if config_class in _REWARD_CLASSES:
-        return _REWARD_CLASSES[config_class]
-    from transformers import AutoModel, AutoModelForSequenceClassification, PreTrainedModel
-
-    base_model = AutoModel._model_mapping[config_class]
-    family = next(c for c in base_model.__mro__[1:] if issubclass(c, PreTrainedModel))
-    name = base_model.__name__.removesuffix("Model") + "ForRewardModel"
-    cls = type(name, (RewardHeadMixin, family), {"config_class": config_class})
-    AutoModelForSequenceClassification.register(config_class, cls, exist_ok=True)
-    _REWARD_CLASSES[config_class] = cls
-    return cls
-
-
-def load_reward_model(path: str, config: Any, *, dtype: Any) -> Any:
-    """A multimodal reward model from a generation checkpoint or an exported reward model."""
-    from transformers.utils import logging as hf_logging
-
-    cls = reward_model_class(type(config))
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "score.weight newly initialized" / "lm_head unused" expected
-    try:
-        model = cls.from_pretrained(path, dtype=dtype)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    return keep_architecture_frozen(model)
-
-
-def _register_builtin_reward_classes() -> None:
-    from transformers import LlavaConfig, Qwen2AudioConfig
-
-    for config_class in (LlavaConfig, Qwen2AudioConfig):
-        reward_model_class(config_class)
-
-
-# --------------------------------------------------------------------------- freezing by part
-
-
-def part_of(name: str) -> str:
-    """The part a parameter belongs to: vision_tower, audio_tower, projector, head or
-    language_model."""
-    components = name.split(".")
-    for part, markers in _PART_COMPONENTS.items():
-        if any(marker in components for marker in markers):
-            return part
-    return "language_model"
-
-
-def part_counts(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
-    """part -> (trainable, frozen) parameter counts (ZeRO-3 partitions report `ds_numel`)."""
-    counts: dict[str, list[int]] = {}
-    for name, param in model.named_parameters():
-        entry = counts.setdefault(part_of(name), [0, 0])
-        entry[0 if param.requires_grad else 1] += full_numel(param)
-    return {part: (t, f) for part, (t, f) in counts.items()}
-
-
-def freeze_parts(model: torch.nn.Module, parts: Sequence[str], *, model_name: str) -> None:
-    """Turn off gradients of the named parts; errors name parts the model does not have."""
-    if not parts:
-        return
-    present = part_counts(model)
-    missing = [p for p in parts if p not in present]
-    if missing:
-        raise ConfigError(
-            f"model.freeze={list(parts)}: {model_name} has no {', '.join(missing)}; its parts: "
-            f"{', '.join(p for p in PARTS if p in present)}"
-        )
-    for name, param in model.named_parameters():
-        if part_of(name) in parts:
-            param.requires_grad_(False)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ConfigError(f"model.freeze={list(parts)} leaves nothing to train")
-
-
-def describe_parts(counts: Mapping[str, tuple[int, int]]) -> str:
-    """One summary line: each part's trainable and frozen parameters."""
-    order = [*PARTS[:3], "language_model", "head"]
-    shown = []
-    for part in order:
-        if part in counts:
-            trainable, frozen = counts[part]
-            state = "frozen" if not trainable else "trainable" if not frozen else "partly frozen"
-            shown.append(f"{part} {(trainable + frozen) / 1e6:.2f}M {state}")
-    return ", ".join(shown)
-
-
-# --------------------------------------------------------------------------- media in data
 
 
 @dataclass
@@ -480,89 +295,3 @@ def _insert_placeholders(messages: list[dict], expanded: dict[str, list[str]]) -
             lambda match: queues[marker_to_modality[match.group(0)]].pop(0), message["content"]
         )
     return messages
-
-
-# --------------------------------------------------------------------------- built-in tiny models
-
-
-def _text_config_kwargs(tokenizer: Any) -> dict[str, Any]:
-    return dict(
-        vocab_size=len(tokenizer), hidden_size=TEXT_SIZE, intermediate_size=2 * TEXT_SIZE,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
-
-
-def build_tiny_llava(target: Path, tokenizer: Any) -> None:
-    """A LLaVA-architecture model: 2-layer CLIP vision tower (16x16 images, 4x4 patches: 16
-    image tokens), MLP projector, 2-layer Llama; SmolLM2's tokenizer plus `<image>`."""
-    from transformers import (
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
-    )
-    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
-
-    tokenizer.add_tokens(["<image>"], special_tokens=True)
-    image_processor = LlavaImageProcessorPil(
-        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}
-    )
-    processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, patch_size=4,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=tokenizer.chat_template,
-    )  # fmt: skip
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        image_size=16, patch_size=4, projection_dim=32,
-    )  # fmt: skip
-    config = LlavaConfig(
-        vision_config=vision, text_config=LlamaConfig(**_text_config_kwargs(tokenizer)),
-        image_token_id=processor.image_token_id, vision_feature_select_strategy="default",
-        vision_feature_layer=-1, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config).to(torch.float32)
-    model.save_pretrained(target, safe_serialization=True)
-    processor.save_pretrained(target)
-
-
-def build_tiny_qwen2_audio(target: Path, tokenizer: Any) -> None:
-    """A Qwen2-Audio-architecture model: 2-layer Whisper-style encoder on 16 mel bins over 2 s
-    windows (a 1 s clip: 25 audio tokens), linear projector, 2-layer Qwen2; SmolLM2's tokenizer
-    plus the audio tokens; a Whisper feature extractor at 16 kHz."""
-    from transformers import (
-        Qwen2AudioConfig,
-        Qwen2AudioEncoderConfig,
-        Qwen2AudioForConditionalGeneration,
-        Qwen2AudioProcessor,
-        Qwen2Config,
-        WhisperFeatureExtractor,
-    )
-
-    tokenizer.add_tokens(["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"], special_tokens=True)
-    extractor = WhisperFeatureExtractor(
-        feature_size=16, sampling_rate=16000, hop_length=160, chunk_length=2, n_fft=400
-    )
-    processor = Qwen2AudioProcessor(
-        feature_extractor=extractor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
-    )
-    audio = Qwen2AudioEncoderConfig(
-        num_mel_bins=16, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64,
-        d_model=32, max_source_positions=100,
-    )  # fmt: skip
-    config = Qwen2AudioConfig(
-        audio_config=audio, text_config=Qwen2Config(**_text_config_kwargs(tokenizer)),
-        audio_token_id=processor.audio_token_id, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2AudioForConditionalGeneration(config).to(torch.float32)
-    model.save_pretrained(target, safe_serialization=True)
-    processor.save_pretrained(target)
-
-
-_register_builtin_reward_classes()

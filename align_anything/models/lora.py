@@ -10,7 +10,7 @@ run needs around it:
 - saving gathers the adapter weights first (PEFT's own `save_pretrained` on a ZeRO-3 model would
   write the empty local partitions), so the saved adapter has the trained numbers;
 - the DPO reference is the policy with adapters disabled (no second model in memory);
-- merging an adapter into a plain Hugging Face folder (`python -m align_anything.export`).
+- merging an adapter into a plain Hugging Face folder (`python -m align_anything export`).
 """
 
 from __future__ import annotations
@@ -135,25 +135,22 @@ def merge_adapter_folder(
     (`export_record`: see `write_hf_folder`)."""
     from peft import PeftModel
 
-    from align_anything import models
+    from align_anything.models.loading import load_model, load_tokenizer
 
-    if task == "rm":
-        base = models.load_sequence_classifier(base_path, dtype=torch.float32)
-    else:
-        base = models.load_causal_lm(base_path, dtype=torch.float32)
+    base = load_model(base_path, reward=task == "rm", dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     if (adapter_dir / "tokenizer_config.json").exists():  # the run's tokenizer (RM: its pad)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     else:
-        tokenizer = models.load_tokenizer(base_path)
+        tokenizer = load_tokenizer(base_path)
     if task == "rm":
         merged.config.pad_token_id = tokenizer.pad_token_id
     return write_hf_folder(merged, tokenizer, out, export_record=export_record)
 
 
-# Written into every folder `python -m align_anything.export` makes: only such a folder may be
+# Written into every folder `python -m align_anything export` makes: only such a folder may be
 # replaced by a later export (--overwrite).
 EXPORT_RECORD = "align_anything_export.json"
 

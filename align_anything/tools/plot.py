@@ -1,7 +1,7 @@
 """Draw a run's loss and task metrics from its `metrics.jsonl` to a PNG.
 
-    python -m align_anything.plot outputs/dpo                 # writes outputs/dpo/metrics.png
-    python -m align_anything.plot outputs/dpo --out dpo.png
+    python -m align_anything plot outputs/dpo                 # writes outputs/dpo/metrics.png
+    python -m align_anything plot outputs/dpo --out dpo.png
 
 One panel for the loss and one per task metric (e.g. `rewards/accuracies` for DPO, `accuracy`
 for RM, `perplexity` for SFT): training values as a line over optimizer steps, held-out values
@@ -117,7 +117,7 @@ def plot_run(path: Path, out: Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m align_anything.plot", description=__doc__.split("\n")[0]
+        prog="python -m align_anything plot", description=__doc__.split("\n")[0]
     )
     parser.add_argument("run", help="a run's output_dir (holding metrics.jsonl), or the file")
     parser.add_argument("--out", help="the PNG to write (default: metrics.png in the run folder)")

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from align_anything import engine as eng
+from align_anything.backend.engine import Engine, gathered
 from align_anything.errors import ConfigError
-from align_anything.models import full_numel
+from align_anything.models.loading import full_numel
 
 EMA_FILE = "ema.safetensors"
 # Elements gathered per collective under ZeRO-3 (fp32: 64 MiB).
@@ -29,7 +29,7 @@ GATHER_GROUP_ELEMENTS = 2**24
 class WeightEMA:
     """The moving average of `engine.module`'s trainable parameters (see module docstring)."""
 
-    def __init__(self, engine: eng.Engine, *, decay: float, on_device: bool, is_main: bool):
+    def __init__(self, engine: Engine, *, decay: float, on_device: bool, is_main: bool):
         self.engine = engine
         self.decay = decay
         self.is_main = is_main
@@ -57,7 +57,7 @@ class WeightEMA:
         if stage != 3 and not self.is_main:
             return
         for group in self._groups():
-            with eng.gathered([p for _, p in group], stage):
+            with gathered([p for _, p in group], stage):
                 if self.is_main:
                     for name, param in group:
                         fn(name, param.detach().to(self.device, torch.float32))

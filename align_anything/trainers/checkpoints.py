@@ -1,4 +1,5 @@
-"""The checkpoint store of one run: `output_dir/checkpoints/step-N/`.
+"""The checkpoint store of one run (`output_dir/checkpoints/step-N/`), RNG state, and the
+checks a resumed run passes.
 
 A checkpoint belongs to a run (the run id in its `trainer_state.json`) and is complete only
 when its `manifest.json`, written last, lists every file it holds with its size and xxh3-64
@@ -16,14 +17,20 @@ weights load.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 import xxhash
+
+from align_anything.errors import ConfigError
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
@@ -157,3 +164,118 @@ def prune(root: Path, *, run_id: str, keep_last: int) -> list[Path]:
         os.replace(path, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
     return removed
+
+
+# ---------------------------------------------------------------------------- RNG state
+
+
+def _jsonable(value: Any) -> Any:
+    """An RNG state as JSON data (tuples and arrays become lists)."""
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def write_rng_state(folder: Path, rank: int) -> None:
+    """This process's Python, NumPy and torch RNG states as JSON (read back unpickling nothing)."""
+    state = {
+        "python": _jsonable(random.getstate()),
+        "numpy": _jsonable(np.random.get_state()),
+        "torch": torch.get_rng_state().tolist(),
+    }
+    (folder / f"rng_state_rank{rank}.json").write_text(json.dumps(state))
+
+
+def restore_rng_state(folder: Path, rank: int) -> bool:
+    """Restore what `write_rng_state` wrote for `rank`; False when the checkpoint has no file
+    for it (one written with fewer ranks)."""
+    path = folder / f"rng_state_rank{rank}.json"
+    if not path.exists():
+        return False
+    state = json.loads(path.read_text())
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    return True
+
+
+# ---------------------------------------------------------------------------- resume checks
+
+
+def _hash_array(value: Any) -> str:
+    """JSON stand-in for a tensor or array inside an encoded row (media features)."""
+    array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    return hashlib.sha256(array.tobytes()).hexdigest()
+
+
+def fingerprints(tokenizer: Any, rows: list[dict], data_path: str) -> dict[str, str]:
+    """Hashes that tell whether a resumed run trains on what the checkpoint saw: the tokenizer
+    (vocabulary, special tokens, chat template) and the encoded training rows."""
+    vocab = hashlib.sha256()
+    vocab.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    vocab.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True).encode())
+    vocab.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    data = hashlib.sha256()
+    for row in rows:
+        data.update(json.dumps(row, sort_keys=True, default=_hash_array).encode())
+    return {
+        "data_path": data_path,
+        "tokenizer_fingerprint": vocab.hexdigest()[:16],
+        "data_fingerprint": data.hexdigest()[:16],
+    }
+
+
+def check_resume(
+    folder: Path, state: dict[str, Any], *, now: dict[str, Any], global_batch: int,
+    allow_mismatch: bool,
+) -> list[str]:  # fmt: skip
+    """Refuse a resume that would silently train something else than the checkpoint did
+    (another global batch: another data order; another model, tokenizer or training data,
+    unless `allow_mismatch`). Returns the warnings to print when mismatches are allowed."""
+    if state.get("global_batch") != global_batch:
+        raise ConfigError(
+            f"checkpoint {folder} was trained with global batch {state.get('global_batch')}, "
+            f"this run has {global_batch}: the data order would differ"
+        )
+    what = {
+        "model": "model.name_or_path",
+        "tokenizer_fingerprint": "tokenizer (vocabulary, special tokens or chat template)",
+        "data_fingerprint": f"training data (encoded rows of data.path; checkpoint: "
+        f"{state.get('data_path')!r}, this run: {now['data_path']!r})",
+    }
+    changed = [
+        f"  - {label}: checkpoint {state.get(key)!r}, this run {now[key]!r}"
+        for key, label in what.items()
+        if state.get(key) != now[key]
+    ]
+    if not changed:
+        return []
+    if allow_mismatch:
+        return [f"warning: resuming from {folder} although:\n" + "\n".join(changed)]
+    raise ConfigError(
+        f"resume from {folder} refused: this run differs from the checkpoint's\n"
+        + "\n".join(changed)
+        + "\nSet checkpoint.allow_mismatch=true to resume anyway, or start fresh "
+        "(another output_dir, or overwrite_output_dir=true)."
+    )
+
+
+SCHEDULE_KEYS = {
+    "total_steps": "total steps (train.max_steps / train.epochs)",
+    "learning_rate": "train.learning_rate",
+    "lr_scheduler": "train.lr_scheduler",
+    "warmup_steps": "warmup steps (train.warmup_ratio)",
+}
+
+
+def schedule_changes(state: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How this run's schedule differs from the checkpoint's (`now` has SCHEDULE_KEYS)."""
+    return [
+        f"{label} {state.get(key)!r} -> {now[key]!r}"
+        for key, label in SCHEDULE_KEYS.items()
+        if state.get(key) != now[key]
+    ]

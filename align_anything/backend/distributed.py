@@ -1,0 +1,166 @@
+"""The process group: set-up under any launcher, the collectives the trainers use, the device."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+
+from align_anything.backend import zero_init
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+_DIST: DistInfo | None = None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
+    """Join (or create) the process group. Works under the deepspeed launcher, torchrun, and
+    plain `python -m`, where it creates a one-process group on loopback."""
+    global _DIST
+    if _DIST is not None:
+        return _DIST
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        )  # fmt: skip
+    accelerator = get_accelerator()
+    backend = accelerator.communication_backend_name()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if accelerator.device_name() == "cuda":
+        accelerator.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device(accelerator.device_name())
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            auto_mpi_discovery=False,
+            verbose=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        _unlink_shm_allreduce_buffer()
+    _DIST = DistInfo(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=dist.get_world_size(),
+        device=device,
+        backend=backend,
+    )
+    return _DIST
+
+
+def dist_info() -> DistInfo:
+    """The current process's rank, world size and device (after `setup_distributed`)."""
+    if _DIST is None:
+        raise RuntimeError("setup_distributed() has not been called")
+    return _DIST
+
+
+def teardown_distributed() -> None:
+    """Destroy the process group (end of run) and forget ZeRO-3 model construction."""
+    global _DIST
+    zero_init.forget()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _DIST = None
+
+
+def _unlink_shm_allreduce_buffer() -> None:
+    """DeepSpeed's CPU shared-memory all-reduce (0.19) creates a 66 MB file per rank in
+    /dev/shm and never removes it, so every multi-rank CPU run would leave RAM behind for good
+    (even more so a killed one). Every rank has mapped every buffer once `init_distributed`
+    returns everywhere, so after one barrier each rank unlinks its own name: the mappings stay
+    valid until the processes exit, and the memory is freed then."""
+    if get_accelerator().device_name() != "cpu" or dist.get_world_size() == 1:
+        return
+    name = (
+        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
+    )
+    dist.barrier()
+    with contextlib.suppress(OSError):
+        (Path("/dev/shm") / name).unlink()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any) -> torch.Tensor:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tensor
+    device = _DIST.device if _DIST is not None else tensor.device
+    if tensor.device != device and _DIST is not None and _DIST.backend != "gloo":
+        # NCCL and friends reduce device tensors only; the trainers keep small counters on CPU.
+        moved = tensor.to(device)
+        dist.all_reduce(moved, op=op)
+        tensor.copy_(moved.to(tensor.device))
+    else:
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (in place and returned); a no-op on one rank. CPU tensors are
+    fine under every backend."""
+    return _all_reduce(tensor, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """Maximum of a tensor over ranks (in place and returned)."""
+    return _all_reduce(tensor, dist.ReduceOp.MAX)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Send a picklable object from `src` to every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Collect one picklable object from every rank (in rank order)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def device_type() -> str:
+    return get_accelerator().device_name()
+
+
+def bf16_supported() -> bool:
+    return bool(get_accelerator().is_bf16_supported())

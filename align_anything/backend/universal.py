@@ -1,0 +1,221 @@
+"""DeepSpeed checkpoints across ZeRO stages and world sizes, and reading their files.
+
+`convert_to_universal` turns a ZeRO-1/2/3 checkpoint into DeepSpeed's universal checkpoint (with
+workarounds for three DeepSpeed 0.19.8 problems, each explained where it is fixed);
+`checkpoint_state_dict` merges any checkpoint into full fp32 weights; `load_deepspeed_file`
+reads one of DeepSpeed's files without unpickling arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from align_anything import atomic
+from align_anything.backend.distributed import broadcast_object, dist_info
+from align_anything.errors import ConfigError
+
+UNIVERSAL_TAG = "universal"
+
+
+def load_deepspeed_file(path: Path) -> Any:
+    """A DeepSpeed checkpoint file read without unpickling arbitrary objects: torch's
+    `weights_only` loader, allowing only the three DeepSpeed classes its files hold besides
+    tensors and containers (a loss-scaler record, the ZeRO stage enum, fragment addresses).
+    DeepSpeed's own loaders (`load_checkpoint`, `ds_to_universal`, `zero_to_fp32`) still
+    unpickle fully; see the README on checkpoints from elsewhere."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def convert_to_universal(checkpoint_dir: Path) -> Path:
+    """Convert `…/step-N/deepspeed` (ZeRO-1/2/3, any world size) into DeepSpeed's universal
+    checkpoint `…/step-N/universal`, which loads under another ZeRO stage (1-3) or world size.
+
+    Rank 0 converts with DeepSpeed's `ds_to_universal` into a temporary folder renamed when
+    complete (a finished conversion is reused); every rank then waits at a barrier. Collective:
+    call on every rank.
+    """
+    import argparse
+    import io
+    import shutil
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    checkpoint_dir = Path(checkpoint_dir)
+    final = checkpoint_dir / UNIVERSAL_TAG
+    error: str | None = None
+    if dist_info().is_main and not final.is_dir():
+        tmp = checkpoint_dir / f".tmp-{UNIVERSAL_TAG}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        fixed_input = checkpoint_dir / f".tmp-{UNIVERSAL_TAG}-input"
+        shutil.rmtree(fixed_input, ignore_errors=True)
+        source = checkpoint_dir / "deepspeed"
+        if _write_fixed_slice_mappings(source, fixed_input):
+            source = fixed_input
+        args = argparse.Namespace(
+            input_folder=str(source), output_folder=str(tmp),
+            # In-process and serial: no worker pool forked from a rank that holds a process group.
+            num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
+            # transformers models carry no universal-checkpoint metadata; plain data-parallel
+            # ZeRO needs none beyond the version DeepSpeed injects.
+            inject_missing_state=True,
+        )  # fmt: skip
+        log = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                ds_to_universal.main(args)
+            _link_model_states_for_every_stage(tmp)
+            _add_stage3_optimizer_globals(tmp)
+            atomic.publish(tmp, final)
+            shutil.rmtree(fixed_input, ignore_errors=True)
+            # ds_to_universal points `latest_universal` at its output folder (the temporary name).
+            (checkpoint_dir / "latest_universal").write_text(UNIVERSAL_TAG)
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(fixed_input, ignore_errors=True)
+            error = (
+                f"DeepSpeed's ds_to_universal failed on {checkpoint_dir / 'deepspeed'}: "
+                f"{type(err).__name__}: {err}\n{log.getvalue()[-2000:]}"
+            )
+    error = broadcast_object(error)
+    if error:
+        raise ConfigError(error)
+    return final
+
+
+def _write_fixed_slice_mappings(source: Path, dest: Path) -> bool:
+    """Work around a DeepSpeed 0.19 ZeRO-1/2 bug that `ds_to_universal` would copy into the
+    universal checkpoint: with `round_robin_gradients` (our z2 preset) and no alignment padding,
+    `_link_all_hp_params` (runtime/zero/stage_1_and_2.py) maps each parameter to its offset in
+    the *unshuffled* order, but the flat fp32/Adam buffers are in the round-robin order, so the
+    saved `param_slice_mappings` point at other parameters' data. The checkpoint's own
+    `param_shapes` (which `zero_to_fp32` uses, correctly) and `param_alignment_paddings` give
+    the true layout; when the saved mappings disagree with it, write optimizer-state files with
+    the true mappings into `dest` (model-state files hard-linked) and return True.
+    """
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    model_files = sorted(source.glob("mp_rank_*_model_states.pt"))
+    optim_files = sorted(source.glob("*zero_pp_rank_*_optim_states.pt"))
+    if len(model_files) != 1 or not optim_files:
+        return False  # ZeRO-3 (no such mappings) or a layout this does not know
+    param_shapes = load_deepspeed_file(model_files[0])["param_shapes"]
+    fixed: dict[Path, dict[str, Any]] = {}
+    for path in optim_files:
+        state = load_deepspeed_file(path)
+        optim = state["optimizer_state_dict"]
+        if "param_slice_mappings" not in optim or int(optim.get("zero_stage", 1)) > 2:
+            return False
+        rank = int(path.name.split("zero_pp_rank_")[1].split("_")[0])
+        mappings = []
+        for group, shapes in enumerate(param_shapes):
+            size = optim["single_partition_of_fp32_groups"][group].numel()
+            lo_part, hi_part = rank * size, (rank + 1) * size
+            paddings = optim["param_alignment_paddings"][group]
+            mapping, offset = {}, 0
+            for (name, shape), padding in zip(shapes.items(), paddings, strict=True):
+                numel = math.prod(shape)
+                lo, hi = max(offset, lo_part), min(offset + numel, hi_part)
+                if lo < hi:
+                    mapping[name] = fragment_address(numel=hi - lo, start=lo - lo_part)
+                offset += numel + padding
+            mappings.append(mapping)
+        saved = [
+            {k: (v.start, v.numel) for k, v in g.items()} for g in optim["param_slice_mappings"]
+        ]
+        if saved != [{k: (v.start, v.numel) for k, v in g.items()} for g in mappings]:
+            optim["param_slice_mappings"] = mappings
+            fixed[path] = state
+    if not fixed:
+        return False
+    dest.mkdir(parents=True)
+    for path in source.iterdir():
+        if path in fixed:
+            torch.save(fixed[path], dest / path.name)
+        elif path.is_file():
+            try:
+                os.link(path, dest / path.name)
+            except OSError:
+                import shutil
+
+                shutil.copy2(path, dest / path.name)
+    return True
+
+
+def _link_model_states_for_every_stage(folder: Path) -> None:
+    """DeepSpeed's universal load looks for `mp_rank_XX_model_states.pt` under ZeRO-1/2 and
+    `zero_pp_rank_0_mp_rank_XX_model_states.pt` under ZeRO-3, but `ds_to_universal` keeps the
+    source's names; give the folder both (hard links: the files hold the same scheduler and step
+    counters; the weights and optimizer state load from `zero/`)."""
+    for path in list(folder.glob("*model_states.pt")):
+        name = path.name
+        if name.startswith("zero_pp_rank_0_mp_rank_"):
+            other = folder / name.removeprefix("zero_pp_rank_0_")
+        elif name.startswith("mp_rank_"):
+            other = folder / f"zero_pp_rank_0_{name}"
+        else:
+            continue
+        if not other.exists():
+            try:
+                os.link(path, other)
+            except OSError:
+                import shutil
+
+                shutil.copy2(path, other)
+
+
+def _add_stage3_optimizer_globals(folder: Path) -> None:
+    """Let a universal checkpoint converted from ZeRO-1/2 load under ZeRO-3.
+
+    `ds_to_universal` writes `zero/optimizer_state.pt` in its source's layout: from ZeRO-1/2
+    with `param_groups` at the top level, from ZeRO-3 also nested under `optimizer_state_dict`
+    with the Adam step count. DeepSpeed 0.19's ZeRO-3 universal load reads only the nested
+    form (`stage3.py`, `load_hp_checkpoint_state_from_checkpoint_dir_stage3`: KeyError
+    'optimizer_state_dict' otherwise). Add it from what the file and the per-parameter
+    `step.pt` (the same count for every parameter) already hold; nothing else changes.
+    """
+    path = folder / "zero" / "optimizer_state.pt"
+    state = load_deepspeed_file(path)
+    if "optimizer_state_dict" in state:
+        return
+    steps = sorted((folder / "zero").glob("*/step.pt"))
+    if not steps:
+        return  # no optimizer step was taken: nothing to carry
+    step = load_deepspeed_file(steps[0])
+    state["optimizer_state_dict"] = {
+        "state": {0: {"step": step}},
+        "param_groups": state["param_groups"],
+    }
+    torch.save(state, path)
+
+
+def checkpoint_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from an align_anything checkpoint folder (`…/step-N`), whatever the
+    ZeRO stage and world size it was written with. ZeRO-2/3 partitions are merged by DeepSpeed's
+    own `zero_to_fp32`; stage 0 keeps whole weights in the model-states file."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ds_dir = Path(checkpoint_dir)
+    tag_dir = ds_dir / "deepspeed"
+    if not tag_dir.is_dir():
+        raise ConfigError(
+            f"{checkpoint_dir}: no deepspeed/ folder; not an align_anything checkpoint"
+        )
+    if any(tag_dir.glob("*optim_states.pt")):
+        state = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag="deepspeed")
+        return {k: v.contiguous() for k, v in state.items()}
+    model_states = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    if not model_states:
+        raise ConfigError(f"{tag_dir}: no model states file")
+    module = load_deepspeed_file(model_states[0])["module"]
+    return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}

@@ -1,0 +1,243 @@
+"""Forward passes and log-probabilities: the one place a batch meets the model.
+
+- `token_logps` / `selected_token_logps` / `completion_logps`: log p of target tokens from
+  logits, chunked over the sequence so the fp32 softmax never exists for the whole batch.
+- `completion_forward`: a plain batch (one row per sequence) → summed completion log-probs
+  and token counts; with `completion_only`, the LM head runs only where a scored token is
+  predicted.
+- `shared_prefix_logps`: the same for the shared-prefix layouts of `data.layouts`.
+- `sequence_scores`: a reward model's score per sequence.
+
+Label convention (shared with the data pipeline): `labels` has the shape of `input_ids`,
+positions that are not scored (prompt, padding, media placeholders) hold `IGNORE_INDEX` (-100),
+and the next-token shift happens here: `logits[:, t]` predicts `labels[:, t + 1]`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from align_anything.data.encode import IGNORE_INDEX
+from align_anything.data.multimodal import media_inputs
+from align_anything.models import lora
+
+# Sequence positions per chunk in `token_logps`. Peak extra memory is about
+# batch × chunk_size × vocab × 4 bytes (one fp32 chunk, plus one temporary in backward).
+DEFAULT_CHUNK_SIZE = 256
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # fp32 at least: bf16/fp16 logsumexp over a 100k+ vocabulary loses most of its digits.
+    # fp64 stays fp64 so that gradcheck can test the hand-written backward.
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """log p(label) per position, computed chunk by chunk over the sequence.
+
+    Autograd through `logits.float().log_softmax(-1).gather(...)` would keep an fp32 copy of
+    the whole [B, T, V] logits alive until backward. Here forward keeps only the per-position
+    logsumexp ([B, T-1]), and backward recomputes softmax one chunk at a time, so the extra
+    memory is one fp32 chunk in either direction.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: FunctionCtx, logits: Tensor, labels: Tensor, chunk_size: int, shift: bool
+    ) -> Tensor:
+        batch, seq_len, _ = logits.shape
+        # shift=True: logits[:, t] predicts labels[:, t+1] (the last position predicts nothing);
+        # shift=False: logits[:, t] predicts labels[:, t] (positions already selected).
+        targets = labels[:, 1:] if shift else labels
+        positions = seq_len - 1 if shift else seq_len
+        scored = targets != IGNORE_INDEX
+        # gather needs a valid index at ignored positions; their values are zeroed below.
+        safe_targets = targets.masked_fill(~scored, 0)
+        dtype = _compute_dtype(logits.dtype)
+        logps = torch.empty((batch, positions), dtype=dtype, device=logits.device)
+        lse = torch.empty_like(logps)
+        for start in range(0, positions, chunk_size):
+            end = min(start + chunk_size, positions)
+            chunk = logits[:, start:end].to(dtype)
+            chunk_lse = torch.logsumexp(chunk, dim=-1)
+            target_logit = chunk.gather(-1, safe_targets[:, start:end, None]).squeeze(-1)
+            logps[:, start:end] = target_logit - chunk_lse
+            lse[:, start:end] = chunk_lse
+        logps.masked_fill_(~scored, 0.0)
+        ctx.save_for_backward(logits, safe_targets, scored, lse)
+        ctx.chunk_size = chunk_size  # type: ignore[attr-defined]
+        return logps
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: FunctionCtx, grad_logps: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        logits, safe_targets, scored, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        chunk_size: int = ctx.chunk_size  # type: ignore[attr-defined]
+        positions = lse.shape[1]
+        dtype = lse.dtype
+        # Ignored positions were set to a constant 0 in forward, so they pass no gradient.
+        grad = grad_logps.to(dtype) * scored
+        grad_logits = torch.empty_like(logits)
+        # With the shift, the last position predicts nothing (there is no label after it).
+        grad_logits[:, positions:].zero_()
+        for start in range(0, positions, chunk_size):
+            end = min(start + chunk_size, positions)
+            chunk = logits[:, start:end].to(dtype)
+            g = grad[:, start:end, None]
+            # d(logit[y] - logsumexp(logit)) / d logit = onehot(y) - softmax(logit)
+            chunk_grad = (chunk - lse[:, start:end, None]).exp_().mul_(-g)
+            chunk_grad.scatter_add_(-1, safe_targets[:, start:end, None], g)
+            grad_logits[:, start:end] = chunk_grad
+        return grad_logits, None, None, None
+
+
+def _check_logits_labels(logits: Tensor, labels: Tensor, chunk_size: int) -> None:
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [batch, seq, vocab], got shape {tuple(logits.shape)}")
+    if labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"labels must have the shape of input_ids, {tuple(logits.shape[:2])} here "
+            f"(logits {tuple(logits.shape)}), got {tuple(labels.shape)}"
+        )
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be integer token ids, got dtype {labels.dtype}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of positions, got {chunk_size}")
+
+
+def token_logps(logits: Tensor, labels: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """Per-position log-probability of the next-token target.
+
+    Args:
+        logits: [B, T, V] model outputs, any float dtype.
+        labels: [B, T] token ids aligned with `input_ids`; `IGNORE_INDEX` where not scored.
+        chunk_size: sequence positions processed at once; bounds the fp32 working memory to
+            about B × chunk_size × V × 4 bytes in forward and in backward.
+
+    Returns:
+        [B, T-1] tensor in fp32 (fp64 for fp64 logits): entry t is log p(labels[:, t+1] | ..t),
+        0 at ignored positions.
+    """
+    _check_logits_labels(logits, labels, chunk_size)
+    return _ChunkedTokenLogps.apply(logits, labels.long(), chunk_size, True)
+
+
+def selected_token_logps(
+    logits: Tensor, targets: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> Tensor:
+    """Log-probability of `targets[i]` under `logits[i]` for logits already taken at the scored
+    positions only ([N, V] and [N]); used when the model projects only those positions onto
+    the vocabulary. Same numerics and memory bound as `token_logps`."""
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(
+            f"expected logits [N, V] and targets [N], got {tuple(logits.shape)} and {tuple(targets.shape)}"
+        )
+    return _ChunkedTokenLogps.apply(logits[None], targets.long()[None], chunk_size, False)[0]
+
+
+def completion_logps(
+    logits: Tensor, labels: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[Tensor, Tensor]:
+    """Summed log-probability of each sequence's scored tokens, and how many there are.
+
+    Args: as for `token_logps`.
+
+    Returns:
+        (logps [B] fp32: sum of log p over the scored target tokens,
+         token_counts [B] int64: number of scored target tokens).
+        Divide the first by the second for the length-normalised log-prob.
+    """
+    per_token = token_logps(logits, labels, chunk_size=chunk_size)
+    token_counts = (labels[:, 1:] != IGNORE_INDEX).sum(dim=-1)
+    return per_token.sum(dim=-1), token_counts
+
+
+def supports_logits_to_keep(module: torch.nn.Module) -> bool:
+    """Whether a causal LM's forward can project only selected positions onto the vocabulary
+    (transformers' `logits_to_keep` with a boolean [B, T] mask). A PEFT model passes the
+    argument through to its base model."""
+    if lora.is_peft_model(module):
+        module = module.get_base_model()
+    return "logits_to_keep" in inspect.signature(module.forward).parameters
+
+
+def completion_forward(
+    model: Any, batch: dict[str, torch.Tensor], *, completion_only: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs of each sequence's completion tokens and their counts ([B], [B]).
+
+    With `completion_only`, the LM head runs only at positions whose next token is scored:
+    prompt logits are never needed, and the vocabulary projection is a large share of a small
+    model's FLOPs. The numbers equal the full path (same per-position maths).
+    """
+    labels = batch["labels"]
+    # A multimodal batch may end with a dummy row (see MediaSupport.attach): cut it off here.
+    real = batch.get("real_rows", labels.shape[0])
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        **media_inputs(batch),
+    }
+    if not completion_only:
+        logits = model(**inputs).logits
+        sums, counts = completion_logps(logits, labels)
+        return sums[:real], counts[:real]
+    # Position t is kept when it predicts a scored token t+1.
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    logits = model(**inputs, logits_to_keep=keep).logits
+    targets = labels[:, 1:][keep[:, :-1]]
+    token_logps = selected_token_logps(logits, targets)
+    rows = keep.nonzero()[:, 0]
+    sums = torch.zeros(labels.shape[0], dtype=token_logps.dtype, device=token_logps.device)
+    return sums.index_add(0, rows, token_logps)[:real], keep.sum(dim=1)[:real]
+
+
+def shared_prefix_logps(
+    model: Any, batch: Mapping[str, Tensor], *, completion_only: bool
+) -> tuple[Tensor, Tensor]:
+    """Summed log-probs of the scored tokens and their counts per sequence ([S], [S]; for DPO
+    S = 2B: chosen of every pair, then rejected), from a `collate_shared_prefix` batch.
+
+    With `completion_only`, the LM head runs only at the predicting positions (transformers'
+    `logits_to_keep` mask); otherwise on every position, and the needed rows are picked after.
+    """
+    input_ids = batch["input_ids"]
+    positions = batch["score_positions"]
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": batch["shared_prefix_mask"],
+        "position_ids": batch["position_ids"],
+    }
+    if completion_only:
+        keep = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
+        keep[positions] = True
+        # Row of each kept position in the [kept, V] logits (row-major order of the mask).
+        kept_row = keep.long().cumsum(0) - 1
+        logits = model(**kwargs, logits_to_keep=keep.view_as(input_ids)).logits
+        logits = logits.reshape(-1, logits.shape[-1])[kept_row[positions]]
+    else:
+        logits = model(**kwargs).logits
+        logits = logits.reshape(-1, logits.shape[-1])[positions]
+    token_logps = selected_token_logps(logits, batch["score_targets"])
+    sequences = batch["score_sequences"]
+    num_sequences = int(batch["num_sequences"])
+    sums = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
+    counts = torch.zeros(num_sequences, dtype=torch.long, device=token_logps.device)
+    counts.index_add_(0, sequences, torch.ones_like(sequences))
+    return sums.index_add(0, sequences, token_logps), counts
+
+
+def sequence_scores(model: Any, batch: Mapping[str, Any]) -> Tensor:
+    """A reward model's score of each sequence ([B] fp32), read by the model at its last real
+    token; a multimodal batch's dummy row (see `MediaSupport.attach`) is cut off."""
+    output = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **media_inputs(batch)
+    )
+    return output.logits.squeeze(-1).float()[: batch.get("real_rows", output.logits.shape[0])]

@@ -1,0 +1,189 @@
+"""Loading a model, its tokenizer or processor, and the one choice of model class for a task.
+
+`model_class` is the only place that decides which class a run's model is: a causal LM
+(`AutoModelForCausalLM`), an image-text or audio-text generation model
+(`AutoModelForMultimodalLM`), or a reward model (`AutoModelForSequenceClassification` with one
+output, or for a multimodal model the family's base model plus a score head, see
+`reward_head`). `load_model` loads weights into it (inside `backend.zero_init.model_init_context`
+ZeRO-3 loads them partitioned); `empty_model` builds it from a config (on the meta device for
+the planner, on CPU for export).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from align_anything.errors import ModelError, did_you_mean
+from align_anything.models.zoo import BUILTIN_MODELS, resolve_model_path
+
+
+def modalities_of(config: Any) -> tuple[str, ...]:
+    """The media a model config takes: ("image",), ("audio",), both, or () for a text model."""
+    found = []
+    if getattr(config, "vision_config", None) is not None:
+        found.append("image")
+    if getattr(config, "audio_config", None) is not None:
+        found.append("audio")
+    return tuple(found)
+
+
+def _not_found(name_or_path: str, err: Exception) -> ModelError:
+    hint = did_you_mean(name_or_path, BUILTIN_MODELS)
+    return ModelError(
+        f"model.name_or_path={name_or_path!r} could not be loaded: it is not a built-in name"
+        f"{hint} ({', '.join(BUILTIN_MODELS)}), not a local folder, and not in the local Hugging "
+        f"Face cache ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+    )
+
+
+def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
+    """The model's tokenizer, with a pad token (EOS when the tokenizer has none)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _not_found(name_or_path, err) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_config(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
+    """The model's transformers config (cheap: no weights)."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise _not_found(name_or_path, err) from None
+
+
+def text_hidden_size(config: Any) -> int:
+    """Hidden size of the language model (the text part of multimodal configs)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.hidden_size)
+
+
+def load_processor(path: str, *, trust_remote_code: bool = False) -> Any:
+    """The model's processor (tokenizer + image processor / feature extractor), pad token set."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot load the processor of {path}: {err}") from None
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None:
+        raise ModelError(f"the processor of {path} has no tokenizer")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor
+
+
+def model_class(config: Any, *, reward: bool) -> type:
+    """The class of a run's model: reward model or generation model, text or multimodal."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForMultimodalLM,
+        AutoModelForSequenceClassification,
+    )
+
+    multimodal = bool(modalities_of(config))
+    if reward:
+        if multimodal:
+            from align_anything.models.reward_head import reward_model_class
+
+            return reward_model_class(type(config))
+        return AutoModelForSequenceClassification
+    return AutoModelForMultimodalLM if multimodal else AutoModelForCausalLM
+
+
+def load_model(
+    name_or_path: str, *, reward: bool, dtype: Any, trust_remote_code: bool = False
+) -> Any:
+    """The model of a built-in name, folder or hub name, weights loaded (a reward model gets a
+    new one-output score head when the checkpoint has none). Call inside
+    `backend.zero_init.model_init_context` so ZeRO-3 loads partitioned weights."""
+    from transformers.utils import logging as hf_logging
+
+    path = resolve_model_path(name_or_path)
+    config = load_config(path, trust_remote_code=trust_remote_code)
+    cls = model_class(config, reward=reward)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if not (reward and modalities_of(config)):  # our own reward classes run no remote code
+        kwargs["trust_remote_code"] = trust_remote_code
+    if reward and not modalities_of(config):
+        kwargs["num_labels"] = 1
+    verbosity = hf_logging.get_verbosity()
+    if reward:  # "score.weight newly initialized" / "lm_head unused" are expected
+        hf_logging.set_verbosity_error()
+    try:
+        model = cls.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as err:
+        raise _not_found(name_or_path, err) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return keep_architecture_frozen(model)
+
+
+def empty_model(config: Any, *, reward: bool, dtype: Any = None) -> Any:
+    """The run's model class built from `config` with fresh weights (call under
+    `torch.device("meta")` for sizes only)."""
+    cls = model_class(config, reward=reward)
+    if reward and not modalities_of(config):
+        config.num_labels = 1
+    if hasattr(cls, "from_config"):
+        return cls.from_config(config, dtype=dtype) if dtype else cls.from_config(config)
+    return cls(config)
+
+
+def keep_architecture_frozen(model: Any) -> Any:
+    """Turn gradients off again for the parameters the architecture itself creates frozen.
+
+    transformers 5.24's loader (outside ZeRO-3) replaces each loaded parameter with a new
+    `nn.Parameter(requires_grad=True)` (`core_model_loading`), dropping any `requires_grad_(False)`
+    of the model's `__init__`, e.g. the position table of Qwen2-Audio's (Whisper-style) encoder.
+    Under ZeRO-3 it copies the weights into the parameters `zero.Init` built, so the flags stay:
+    without this, such a parameter trains under ZeRO-0/1/2 and not under ZeRO-3, and runs on
+    different stages differ. The architecture's own flags come from building the same class from
+    the config on the meta device (no memory, no weights); no transformers API keeps them.
+    """
+    import torch
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():  # flags kept (and a build here would run under zero.Init)
+        return model
+    try:
+        with torch.device("meta"):
+            reference = type(model)(model.config)
+    except Exception as err:  # e.g. remote code that cannot build on the meta device
+        print(
+            f"warning: could not rebuild {type(model).__name__} on the meta device to restore "
+            f"its frozen parameters ({type(err).__name__}); all loaded parameters train",
+            flush=True,
+        )
+        return model
+    frozen = {name for name, param in reference.named_parameters() if not param.requires_grad}
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+    return model
+
+
+def full_numel(param: Any) -> int:
+    """A parameter's full element count, also when ZeRO-3 has partitioned it (`ds_numel`)."""
+    return getattr(param, "ds_numel", None) or param.numel()
+
+
+def count_parameters(model: Any) -> tuple[int, int]:
+    """(trainable, frozen) parameter counts, of whole parameters also under ZeRO-3."""
+    trainable = frozen = 0
+    for param in model.parameters():
+        if param.requires_grad:
+            trainable += full_numel(param)
+        else:
+            frozen += full_numel(param)
+    return trainable, frozen
