@@ -51,7 +51,35 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "no_model").mkdir()
     template = copy_tiny_model(root / "no_template") / "chat_template.jinja"
     template.unlink()
+    _write_unreadable_data_files(root)
+    _write_part_lists(root)
     return root
+
+
+def _write_unreadable_data_files(root: Path) -> None:
+    """JSONL files `datasets` cannot read, each with a blank line (which pyarrow's row numbers
+    skip) before the bad line, so only a message that counts lines gets the number right."""
+    lines = [json.dumps(_conversation(f"hi {i}", "yo")) for i in range(50)]
+    lines.insert(3, "")
+    (root / "truncated.jsonl").write_text("\n".join([*lines[:50], lines[50][:30]]))
+    cut = [*lines[:11], lines[11][:30], *lines[12:]]
+    (root / "cut_line.jsonl").write_text("\n".join(cut) + "\n")
+    latin1 = json.dumps(_conversation("café", "yo"), ensure_ascii=False).encode("latin-1")
+    (root / "latin1.jsonl").write_bytes(
+        "\n".join(lines[:6]).encode() + b"\n" + latin1 + b"\n" + "\n".join(lines[6:]).encode()
+    )
+
+
+def _write_part_lists(root: Path) -> None:
+    def rows(content: list) -> str:
+        row = {"messages": [{"role": "user", "content": content},
+                            {"role": "assistant", "content": "yo"}]}  # fmt: skip
+        return "".join(json.dumps(row) + "\n" for _ in range(20))
+
+    image = [{"type": "text", "text": "what is this?"},
+             {"type": "image_url", "image_url": {"url": "cat.png"}}]  # fmt: skip
+    (root / "image_parts.jsonl").write_text(rows(image))
+    (root / "parts_without_text.jsonl").write_text(rows([{"type": "text", "content": "hi"}]))
 
 
 # (id, overrides, fragments the message must contain); {bad} is the fixture's folder.
@@ -108,7 +136,20 @@ CASES = [
     ("empty-data-file", ["task=sft", TINY, "data.path={bad}/empty.jsonl"],
      ["{bad}/empty.jsonl is empty"]),
     ("corrupt-data-file", ["task=sft", TINY, "data.path={bad}/corrupt.jsonl"],
-     ["{bad}/corrupt.jsonl cannot be read as JSON", "row 0"]),
+     ["{bad}/corrupt.jsonl line 1 (lines count from 1) is not valid JSON", "'not json at all'"]),
+    ("truncated-last-line", ["task=sft", TINY, "data.path={bad}/truncated.jsonl"],
+     ["{bad}/truncated.jsonl line 51 (the last line; lines count from 1)", "looks truncated"]),
+    ("line-cut-in-the-middle", ["task=sft", TINY, "data.path={bad}/cut_line.jsonl"],
+     ["{bad}/cut_line.jsonl line 12 (lines count from 1)", "cut in the middle"]),
+    ("invalid-utf8-row", ["task=sft", TINY, "data.path={bad}/latin1.jsonl"],
+     ["{bad}/latin1.jsonl line 7 (lines count from 1) has invalid UTF-8 at byte offset",
+      "byte 0xe9", "re-encode"]),
+    ("image-part-in-content", ["task=sft", TINY, "data.path={bad}/image_parts.jsonl"],
+     ["no usable training rows", "holds a part of type 'image_url'",
+      'expected text, or a list of text parts [{{"type": "text", "text": "..."}}]',
+      "(lines 1, 2, 3, 4, 5, ...)"]),
+    ("content-part-without-text", ["task=sft", TINY, "data.path={bad}/parts_without_text.jsonl"],
+     ["no usable training rows", "holds a part without text"]),
     ("corrupt-parquet", ["task=sft", TINY, "data.path={bad}/broken.parquet"],
      ["{bad}/broken.parquet cannot be read as PARQUET"]),
     ("data-folder-without-files", ["task=sft", TINY, "data.path={bad}/no_data"],
@@ -119,7 +160,8 @@ CASES = [
      ["task=dpo", TINY, "data.path={bad}/pairs.csv", "data.format=preference"],
      ["missing column 'prompt' in {bad}/pairs.csv", "'question', 'answer'", "data.columns.prompt"]),
     ("every-completion-empty", ["task=sft", TINY, "data.path={bad}/empty_completions.jsonl"],
-     ["no usable training rows in {bad}/empty_completions.jsonl", "empty completion (rows 0, 1"]),
+     ["no usable training rows in {bad}/empty_completions.jsonl",
+      "(line and row numbers of the file, from 1)", "empty completion (lines 1, 2, 3"]),
     ("every-prompt-too-long",
      ["task=sft", TINY, "data.path={bad}/long_prompts.jsonl", "data.max_length=8"],
      ["no usable training rows", "prompt leaves no room at max_length=8"]),
@@ -130,6 +172,10 @@ CASES = [
 ]  # fmt: skip
 
 
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
 @pytest.mark.parametrize(
     ("overrides", "fragments"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
 )
@@ -137,8 +183,10 @@ def test_bad_input_is_reported_before_any_step(
     overrides: list[str], fragments: list[str], bad: Path, tmp_path: Path, capsys
 ) -> None:
     args = [a.format(bad=bad) for a in overrides]
+    before = _snapshot(bad)
     status = main([*args, f"output_dir={tmp_path / 'out'}"])
     captured = capsys.readouterr()
+    assert _snapshot(bad) == before, "a failed run changed files outside its output_dir"
     assert status == 2, f"expected exit 2, got {status}\n{captured.out}\n{captured.err}"
     err = captured.err
     assert err.startswith("error: ") and "Traceback" not in err, err
