@@ -52,6 +52,7 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     template = copy_tiny_model(root / "no_template") / "chat_template.jinja"
     template.unlink()
     _write_unreadable_data_files(root)
+    _write_margin_files(root)
     _write_part_lists(root)
     return root
 
@@ -68,6 +69,19 @@ def _write_unreadable_data_files(root: Path) -> None:
     (root / "latin1.jsonl").write_bytes(
         "\n".join(lines[:6]).encode() + b"\n" + latin1 + b"\n" + "\n".join(lines[6:]).encode()
     )
+
+
+def _write_margin_files(root: Path) -> None:
+    def pairs(margins: list) -> str:
+        rows = [{"prompt": f"q{i}", "chosen": "good", "rejected": "bad"} for i in range(20)]
+        for row, margin in zip(rows, margins, strict=False):
+            if margin != "absent":
+                row["margin"] = margin
+        return "".join(json.dumps(r) + "\n" for r in rows)
+
+    (root / "margin_text.jsonl").write_text(pairs(["high"] * 20))
+    (root / "margin_nan.jsonl").write_text(pairs([0.5, 1.0, 0.5, float("nan")] + [1.0] * 16))
+    (root / "margin_missing.jsonl").write_text(pairs([0.5, 1.0, "absent"] + [1.0] * 17))
 
 
 def _write_part_lists(root: Path) -> None:
@@ -165,6 +179,18 @@ CASES = [
     ("every-prompt-too-long",
      ["task=sft", TINY, "data.path={bad}/long_prompts.jsonl", "data.max_length=8"],
      ["no usable training rows", "prompt leaves no room at max_length=8"]),
+    ("margin-not-a-number", ["task=rm", TINY, "data.path={bad}/margin_text.jsonl",
+                             "rm.margin_column=margin"],
+     ["rm.margin_column='margin': 20 of 20 rows of {bad}/margin_text.jsonl",
+      "not a number (e.g. 'high') in lines 1, 2, 3, 4, 5, ... (20 rows)", "finite numbers"]),
+    ("margin-nan", ["task=rm", TINY, "data.path={bad}/margin_nan.jsonl", "rm.margin_column=margin"],
+     ["1 of 20 rows of {bad}/margin_nan.jsonl", "NaN or infinite in line 4", "finite numbers"]),
+    ("margin-missing", ["task=rm", TINY, "data.path={bad}/margin_missing.jsonl",
+                        "rm.margin_column=margin"],
+     ["1 of 20 rows of {bad}/margin_missing.jsonl", "missing in line 3"]),
+    ("margin-column-absent", ["task=rm", TINY, "data.path={bad}/margin_nan.jsonl",
+                              "rm.margin_column=score"],
+     ["{bad}/margin_nan.jsonl has no column 'score'", "columns found: chosen, margin, prompt"]),
     ("resume-from-nowhere", ["task=sft", TINY, "resume={bad}/nowhere"],
      ["resume='{bad}/nowhere' is not a complete align_anything checkpoint"]),
     ("resume-from-a-model-folder", ["task=sft", TINY, "resume={bad}/no_template"],
