@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from align_anything import atomic
-from align_anything.errors import ConfigError
+from align_anything.errors import ConfigError, did_you_mean
 
 # Module-name parts that belong to a multimodal model's encoders or projector, which the default
 # targets leave alone (the issue of LoRA on a VLM is the language model).
@@ -50,6 +50,30 @@ def default_target_regex(model: torch.nn.Module) -> str:
     return rf"^(?!.*({excluded})).*\.({'|'.join(sorted(suffixes))})$"
 
 
+def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """Every name in `targets` must name a module of `model` the way PEFT matches a list (the
+    full module name, or its last dotted parts); PEFT itself accepts names that match no module
+    as long as one name does. The error lists the names the model has."""
+    names = [name for name, _ in model.named_modules() if name]
+    missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
+    if not missing:
+        return
+    linear = sorted(
+        {name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    )
+    hint = did_you_mean(missing[0], [*linear, "all-linear"])
+    example = [n for n in ("q_proj", "v_proj") if n in linear] or [
+        n for n in linear if n not in HEAD_NAMES
+    ][:2]
+    verb = "names no module" if len(missing) == 1 else "name no modules"
+    raise ConfigError(
+        f"model.lora.target_modules: {', '.join(repr(t) for t in missing)} {verb} of "
+        f"{type(model).__name__}{hint}. Its linear layers are named: {', '.join(linear)}; e.g. "
+        f"model.lora.target_modules=[{','.join(example)}], or all-linear for every linear "
+        "layer of the language model"
+    )
+
+
 def add_adapters(
     model: torch.nn.Module,
     *,
@@ -63,7 +87,11 @@ def add_adapters(
     (`sequence_classification`) the score head is trained fully (PEFT's modules_to_save)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    targets = default_target_regex(model) if target_modules == "all-linear" else target_modules
+    if target_modules == "all-linear":
+        targets: list[str] | str = default_target_regex(model)
+    else:
+        targets = list(target_modules)
+        check_targets(model, targets)
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,

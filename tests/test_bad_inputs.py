@@ -54,6 +54,7 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _write_unreadable_data_files(root)
     _write_margin_files(root)
     _write_part_lists(root)
+    _write_remote_code_models(root)
     return root
 
 
@@ -94,6 +95,21 @@ def _write_part_lists(root: Path) -> None:
              {"type": "image_url", "image_url": {"url": "cat.png"}}]  # fmt: skip
     (root / "image_parts.jsonl").write_text(rows(image))
     (root / "parts_without_text.jsonl").write_text(rows([{"type": "text", "content": "hi"}]))
+
+
+def _write_remote_code_models(root: Path) -> None:
+    """Model folders whose config.json transformers cannot use without the folder's own code."""
+    remote = copy_tiny_model(root / "remote_code")
+    config = json.loads((remote / "config.json").read_text())
+    config["model_type"] = "my_llama"
+    config["auto_map"] = {"AutoConfig": "configuration_my.MyConfig",
+                          "AutoModelForCausalLM": "modeling_my.MyForCausalLM"}  # fmt: skip
+    (remote / "config.json").write_text(json.dumps(config))
+    (remote / "configuration_my.py").write_text("raise SystemExit('remote code ran')\n")
+    unknown = copy_tiny_model(root / "unknown_type")
+    config = json.loads((unknown / "config.json").read_text())
+    config["model_type"] = "foo_bar"
+    (unknown / "config.json").write_text(json.dumps(config))
 
 
 # (id, overrides, fragments the message must contain); {bad} is the fixture's folder.
@@ -191,6 +207,24 @@ CASES = [
     ("margin-column-absent", ["task=rm", TINY, "data.path={bad}/margin_nan.jsonl",
                               "rm.margin_column=score"],
      ["{bad}/margin_nan.jsonl has no column 'score'", "columns found: chosen, margin, prompt"]),
+    ("deepspeed-empty", ["task=sft", "deepspeed="],
+     ["deepspeed='': the value is empty", "z0, z2, z3, z3_offload"]),
+    ("delete-a-key", ["task=sft", "~train.seed"], ["'~train.seed'", "deleting keys is not supported"]),
+    ("comma-list-is-a-sweep", ["task=sft", "model.lora.target_modules=q_proj,v_proj"],
+     ["sweeps are not supported", "key=[a,b]"]),
+    ("lora-targets-not-names", ["task=sft", "model.lora.target_modules=5"],
+     ["model.lora.target_modules: expected module names as a list, e.g. [q_proj,v_proj]",
+      "(given: 5)"]),
+    # One name without brackets is a one-item list; this one names no module.
+    ("lora-target-not-in-model",
+     ["task=sft", TINY, "model.lora.enabled=true", "model.lora.target_modules=qproj"],
+     ["'qproj' names no module of LlamaForCausalLM (did you mean 'q_proj'?)",
+      "linear layers are named: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"]),
+    ("model-needs-remote-code", ["task=sft", "model.name_or_path={bad}/remote_code"],
+     ["'{bad}/remote_code' is a local folder", "configuration_my.py, modeling_my.py",
+      "runs that code", "model.trust_remote_code=true"]),
+    ("model-type-unknown", ["task=sft", "model.name_or_path={bad}/unknown_type"],
+     ["'{bad}/unknown_type' is a local folder", "model_type 'foo_bar'", "does not know"]),
     ("resume-from-nowhere", ["task=sft", TINY, "resume={bad}/nowhere"],
      ["resume='{bad}/nowhere' is not a complete align_anything checkpoint"]),
     ("resume-from-a-model-folder", ["task=sft", TINY, "resume={bad}/no_template"],
