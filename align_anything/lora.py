@@ -154,9 +154,10 @@ def save_adapter(module: Any, state_dict: dict[str, torch.Tensor], directory: Pa
     module.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
 
 
-def merge_adapter_folder(adapter_dir: Path, base_path: str, out: Path, *, task: str) -> Path:
-    """Load the base model on CPU in fp32, apply the adapter from `adapter_dir`, merge it into
-    the weights and write a plain Hugging Face folder (safetensors) with the tokenizer."""
+def load_adapter_model(adapter_dir: Path, base_path: str, *, task: str) -> tuple[Any, Any]:
+    """(the base model on CPU in fp32 with the adapter from `adapter_dir` applied, the run's
+    tokenizer). For a reward model (`task` "rm") the config's pad id is the tokenizer's, where
+    the score is read."""
     from peft import PeftModel
 
     from align_anything import models
@@ -165,13 +166,23 @@ def merge_adapter_folder(adapter_dir: Path, base_path: str, out: Path, *, task: 
         base = models.load_sequence_classifier(base_path, dtype=torch.float32)
     else:
         base = models.load_causal_lm(base_path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    if (adapter_dir / "tokenizer_config.json").exists():  # the run's tokenizer (RM: its pad)
+    model = PeftModel.from_pretrained(base, str(adapter_dir))
+    if (Path(adapter_dir) / "tokenizer_config.json").exists():  # the run's tokenizer (RM: its pad)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     else:
         tokenizer = models.load_tokenizer(base_path)
+    if task == "rm":
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def merge_adapter_folder(adapter_dir: Path, base_path: str, out: Path, *, task: str) -> Path:
+    """Load the base model on CPU in fp32, apply the adapter from `adapter_dir`, merge it into
+    the weights and write a plain Hugging Face folder (safetensors) with the tokenizer."""
+    model, tokenizer = load_adapter_model(adapter_dir, base_path, task=task)
+    merged = model.merge_and_unload()
     if task == "rm":
         merged.config.pad_token_id = tokenizer.pad_token_id
     return write_hf_folder(merged, tokenizer, out)

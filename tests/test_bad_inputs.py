@@ -263,6 +263,27 @@ def test_catalogue_size() -> None:
     assert len({c[0] for c in CASES}) == len(CASES) >= 30
 
 
+def test_score_refuses_a_causal_lm_before_loading_weights(sft_single, tmp_path: Path) -> None:
+    """output_dir/final of an SFT run is a causal LM: its config.json says so, and score says it
+    before any weights load (no load report, no "found 2 outputs")."""
+    final = sft_single.check().output_dir / "final"
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"prompt": "hi", "response": "yo"}\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "align_anything.score", str(final), str(source),
+         "--out", str(tmp_path / "scored.jsonl")],
+        cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ,
+                                                            "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    err = result.stderr
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    assert f"{final} is a causal language model (LlamaForCausalLM), not a reward model" in err
+    assert f"python -m align_anything.train task=rm model.name_or_path={final}" in err
+    assert "found 2 outputs" not in err and "score.weight" not in result.stdout + err
+    assert not (tmp_path / "scored.jsonl").exists()
+
+
 def test_score_rejects_a_file_that_is_not_json(bad: Path, tmp_path: Path) -> None:
     source = tmp_path / "rows.jsonl"
     source.write_text('{"prompt": "hi", "response": "yo"}\nhello\n')
