@@ -9,6 +9,7 @@ here -> preset JSON loaded (duplicate keys rejected) with `deepspeed.*` override
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -39,11 +40,21 @@ class LoraSection(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
         "all-linear",
-        description="Module names to adapt; `all-linear`: every linear layer of the language model except the output head.",
+        description="Module names to adapt, e.g. `[q_proj,v_proj]` (one name needs no brackets); `all-linear`: every linear layer of the language model except the output head.",
     )
     save_merged: bool = Field(
         False, description="Also write output_dir/final-merged: the adapter merged into the model."
     )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        # `target_modules=q_proj` means the one module a user would expect, not an error.
+        if isinstance(value, str):
+            return value if value == "all-linear" else [value]
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ValueError("expected module names as a list, e.g. [q_proj,v_proj], or 'all-linear'")
 
 
 ModelPart = Literal["vision_tower", "audio_tower", "projector", "language_model"]
@@ -382,6 +393,11 @@ def load_preset(spec: str) -> tuple[dict[str, Any], str]:
     JSON is parsed with a duplicate-key check: json.load silently keeps the last of two equal
     keys, which hides copy-paste mistakes in hand-edited presets.
     """
+    if not spec.strip():
+        raise ConfigError(
+            f"deepspeed={spec!r}: the value is empty. Give a shipped preset "
+            f"({', '.join(available_presets())}), {AUTO_PRESET}, or a path to a DeepSpeed JSON file."
+        )
     path = Path(spec).expanduser()
     if spec in available_presets():
         path = preset_path(spec)
@@ -416,8 +432,19 @@ def _parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
         except HydraException as err:
             problems.append(f"cannot parse override {text!r}: {err}")
             continue
-        if override.is_delete() or override.is_sweep_override():
-            problems.append(f"override {text!r}: deletion and sweeps are not supported")
+        if override.is_delete():
+            key = override.get_key_element().lstrip("~")
+            problems.append(
+                f"override {text!r}: deleting keys is not supported; every key has a default. "
+                f"Leave the override out for the default, or set a value: {key}=<value>"
+            )
+            continue
+        if override.is_sweep_override():
+            problems.append(
+                f"override {text!r}: a comma-separated value is a sweep in Hydra's syntax, and "
+                "sweeps are not supported; write a list in brackets (key=[a,b]) or quote the "
+                "value (key='a,b')"
+            )
             continue
         key = override.get_key_element().lstrip("+")
         parsed.append((key, override.value()))
@@ -460,9 +487,9 @@ def _to_plain(value: Any) -> Any:
 def _format_validation_error(err: ValidationError, raw: dict[str, Any]) -> list[str]:
     lines = []
     for item in err.errors():
-        loc = [str(p) for p in item["loc"] if not str(p).startswith("function-after")]
-        # pydantic adds the union member name for `int | Literal["auto"]`; drop it.
-        loc = [p for p in loc if not p.startswith(("literal[", "int", "str", "float"))]
+        # pydantic adds the union member name for `int | Literal["auto"]` ("int",
+        # "literal['auto']", "list[str]") and validator names to the location; drop them.
+        loc = [str(p) for p in item["loc"] if not _UNION_TAG.match(str(p))]
         key = ".".join(loc)
         if item["type"] == "extra_forbidden":
             section, _, name = key.rpartition(".")
@@ -479,6 +506,11 @@ def _format_validation_error(err: ValidationError, raw: dict[str, Any]) -> list[
         message = item["msg"].removeprefix("Value error, ")
         lines.append(f"{key}: {message} (given: {given!r})")
     return sorted(set(lines), key=lines.index)
+
+
+_UNION_TAG = re.compile(
+    r"^(int|str|float|bool|none)$|^(literal|list|dict|tuple|set|function-[a-z]+)\["
+)
 
 
 def _known_keys(section: str) -> list[str]:

@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(a in ("-h", "--help", "help") for a in args):
         print(USAGE)
         return 0
-    bad = [a for a in args if "=" not in a]
+    # `~key` (Hydra's deletion) has no "="; the config parser explains that it is not supported.
+    bad = [a for a in args if "=" not in a and not a.startswith("~")]
     from align_anything.errors import Preempted, UserError
 
     try:

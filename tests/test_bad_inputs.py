@@ -51,7 +51,65 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "no_model").mkdir()
     template = copy_tiny_model(root / "no_template") / "chat_template.jinja"
     template.unlink()
+    _write_unreadable_data_files(root)
+    _write_margin_files(root)
+    _write_part_lists(root)
+    _write_remote_code_models(root)
     return root
+
+
+def _write_unreadable_data_files(root: Path) -> None:
+    """JSONL files `datasets` cannot read, each with a blank line (which pyarrow's row numbers
+    skip) before the bad line, so only a message that counts lines gets the number right."""
+    lines = [json.dumps(_conversation(f"hi {i}", "yo")) for i in range(50)]
+    lines.insert(3, "")
+    (root / "truncated.jsonl").write_text("\n".join([*lines[:50], lines[50][:30]]))
+    cut = [*lines[:11], lines[11][:30], *lines[12:]]
+    (root / "cut_line.jsonl").write_text("\n".join(cut) + "\n")
+    latin1 = json.dumps(_conversation("café", "yo"), ensure_ascii=False).encode("latin-1")
+    (root / "latin1.jsonl").write_bytes(
+        "\n".join(lines[:6]).encode() + b"\n" + latin1 + b"\n" + "\n".join(lines[6:]).encode()
+    )
+
+
+def _write_margin_files(root: Path) -> None:
+    def pairs(margins: list) -> str:
+        rows = [{"prompt": f"q{i}", "chosen": "good", "rejected": "bad"} for i in range(20)]
+        for row, margin in zip(rows, margins, strict=False):
+            if margin != "absent":
+                row["margin"] = margin
+        return "".join(json.dumps(r) + "\n" for r in rows)
+
+    (root / "margin_text.jsonl").write_text(pairs(["high"] * 20))
+    (root / "margin_nan.jsonl").write_text(pairs([0.5, 1.0, 0.5, float("nan")] + [1.0] * 16))
+    (root / "margin_missing.jsonl").write_text(pairs([0.5, 1.0, "absent"] + [1.0] * 17))
+
+
+def _write_part_lists(root: Path) -> None:
+    def rows(content: list) -> str:
+        row = {"messages": [{"role": "user", "content": content},
+                            {"role": "assistant", "content": "yo"}]}  # fmt: skip
+        return "".join(json.dumps(row) + "\n" for _ in range(20))
+
+    image = [{"type": "text", "text": "what is this?"},
+             {"type": "image_url", "image_url": {"url": "cat.png"}}]  # fmt: skip
+    (root / "image_parts.jsonl").write_text(rows(image))
+    (root / "parts_without_text.jsonl").write_text(rows([{"type": "text", "content": "hi"}]))
+
+
+def _write_remote_code_models(root: Path) -> None:
+    """Model folders whose config.json transformers cannot use without the folder's own code."""
+    remote = copy_tiny_model(root / "remote_code")
+    config = json.loads((remote / "config.json").read_text())
+    config["model_type"] = "my_llama"
+    config["auto_map"] = {"AutoConfig": "configuration_my.MyConfig",
+                          "AutoModelForCausalLM": "modeling_my.MyForCausalLM"}  # fmt: skip
+    (remote / "config.json").write_text(json.dumps(config))
+    (remote / "configuration_my.py").write_text("raise SystemExit('remote code ran')\n")
+    unknown = copy_tiny_model(root / "unknown_type")
+    config = json.loads((unknown / "config.json").read_text())
+    config["model_type"] = "foo_bar"
+    (unknown / "config.json").write_text(json.dumps(config))
 
 
 # (id, overrides, fragments the message must contain); {bad} is the fixture's folder.
@@ -108,7 +166,20 @@ CASES = [
     ("empty-data-file", ["task=sft", TINY, "data.path={bad}/empty.jsonl"],
      ["{bad}/empty.jsonl is empty"]),
     ("corrupt-data-file", ["task=sft", TINY, "data.path={bad}/corrupt.jsonl"],
-     ["{bad}/corrupt.jsonl cannot be read as JSON", "row 0"]),
+     ["{bad}/corrupt.jsonl line 1 (lines count from 1) is not valid JSON", "'not json at all'"]),
+    ("truncated-last-line", ["task=sft", TINY, "data.path={bad}/truncated.jsonl"],
+     ["{bad}/truncated.jsonl line 51 (the last line; lines count from 1)", "looks truncated"]),
+    ("line-cut-in-the-middle", ["task=sft", TINY, "data.path={bad}/cut_line.jsonl"],
+     ["{bad}/cut_line.jsonl line 12 (lines count from 1)", "cut in the middle"]),
+    ("invalid-utf8-row", ["task=sft", TINY, "data.path={bad}/latin1.jsonl"],
+     ["{bad}/latin1.jsonl line 7 (lines count from 1) has invalid UTF-8 at byte offset",
+      "byte 0xe9", "re-encode"]),
+    ("image-part-in-content", ["task=sft", TINY, "data.path={bad}/image_parts.jsonl"],
+     ["no usable training rows", "holds a part of type 'image_url'",
+      'expected text, or a list of text parts [{{"type": "text", "text": "..."}}]',
+      "(lines 1, 2, 3, 4, 5, ...)"]),
+    ("content-part-without-text", ["task=sft", TINY, "data.path={bad}/parts_without_text.jsonl"],
+     ["no usable training rows", "holds a part without text"]),
     ("corrupt-parquet", ["task=sft", TINY, "data.path={bad}/broken.parquet"],
      ["{bad}/broken.parquet cannot be read as PARQUET"]),
     ("data-folder-without-files", ["task=sft", TINY, "data.path={bad}/no_data"],
@@ -119,15 +190,50 @@ CASES = [
      ["task=dpo", TINY, "data.path={bad}/pairs.csv", "data.format=preference"],
      ["missing column 'prompt' in {bad}/pairs.csv", "'question', 'answer'", "data.columns.prompt"]),
     ("every-completion-empty", ["task=sft", TINY, "data.path={bad}/empty_completions.jsonl"],
-     ["no usable training rows in {bad}/empty_completions.jsonl", "empty completion (rows 0, 1"]),
+     ["no usable training rows in {bad}/empty_completions.jsonl",
+      "(line and row numbers of the file, from 1)", "empty completion (lines 1, 2, 3"]),
     ("every-prompt-too-long",
      ["task=sft", TINY, "data.path={bad}/long_prompts.jsonl", "data.max_length=8"],
      ["no usable training rows", "prompt leaves no room at max_length=8"]),
+    ("margin-not-a-number", ["task=rm", TINY, "data.path={bad}/margin_text.jsonl",
+                             "rm.margin_column=margin"],
+     ["rm.margin_column='margin': 20 of 20 rows of {bad}/margin_text.jsonl",
+      "not a number (e.g. 'high') in lines 1, 2, 3, 4, 5, ... (20 rows)", "finite numbers"]),
+    ("margin-nan", ["task=rm", TINY, "data.path={bad}/margin_nan.jsonl", "rm.margin_column=margin"],
+     ["1 of 20 rows of {bad}/margin_nan.jsonl", "NaN or infinite in line 4", "finite numbers"]),
+    ("margin-missing", ["task=rm", TINY, "data.path={bad}/margin_missing.jsonl",
+                        "rm.margin_column=margin"],
+     ["1 of 20 rows of {bad}/margin_missing.jsonl", "missing in line 3"]),
+    ("margin-column-absent", ["task=rm", TINY, "data.path={bad}/margin_nan.jsonl",
+                              "rm.margin_column=score"],
+     ["{bad}/margin_nan.jsonl has no column 'score'", "columns found: chosen, margin, prompt"]),
+    ("deepspeed-empty", ["task=sft", "deepspeed="],
+     ["deepspeed='': the value is empty", "z0, z2, z3, z3_offload"]),
+    ("delete-a-key", ["task=sft", "~train.seed"], ["'~train.seed'", "deleting keys is not supported"]),
+    ("comma-list-is-a-sweep", ["task=sft", "model.lora.target_modules=q_proj,v_proj"],
+     ["sweeps are not supported", "key=[a,b]"]),
+    ("lora-targets-not-names", ["task=sft", "model.lora.target_modules=5"],
+     ["model.lora.target_modules: expected module names as a list, e.g. [q_proj,v_proj]",
+      "(given: 5)"]),
+    # One name without brackets is a one-item list; this one names no module.
+    ("lora-target-not-in-model",
+     ["task=sft", TINY, "model.lora.enabled=true", "model.lora.target_modules=qproj"],
+     ["'qproj' names no module of LlamaForCausalLM (did you mean 'q_proj'?)",
+      "linear layers are named: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj"]),
+    ("model-needs-remote-code", ["task=sft", "model.name_or_path={bad}/remote_code"],
+     ["'{bad}/remote_code' is a local folder", "configuration_my.py, modeling_my.py",
+      "runs that code", "model.trust_remote_code=true"]),
+    ("model-type-unknown", ["task=sft", "model.name_or_path={bad}/unknown_type"],
+     ["'{bad}/unknown_type' is a local folder", "model_type 'foo_bar'", "does not know"]),
     ("resume-from-nowhere", ["task=sft", TINY, "resume={bad}/nowhere"],
      ["resume='{bad}/nowhere' is not a complete align_anything checkpoint"]),
     ("resume-from-a-model-folder", ["task=sft", TINY, "resume={bad}/no_template"],
      ["resume='{bad}/no_template' is not a complete align_anything checkpoint"]),
 ]  # fmt: skip
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
 
 
 @pytest.mark.parametrize(
@@ -137,8 +243,10 @@ def test_bad_input_is_reported_before_any_step(
     overrides: list[str], fragments: list[str], bad: Path, tmp_path: Path, capsys
 ) -> None:
     args = [a.format(bad=bad) for a in overrides]
+    before = _snapshot(bad)
     status = main([*args, f"output_dir={tmp_path / 'out'}"])
     captured = capsys.readouterr()
+    assert _snapshot(bad) == before, "a failed run changed files outside its output_dir"
     assert status == 2, f"expected exit 2, got {status}\n{captured.out}\n{captured.err}"
     err = captured.err
     assert err.startswith("error: ") and "Traceback" not in err, err
@@ -153,6 +261,27 @@ def test_bad_input_is_reported_before_any_step(
 def test_catalogue_size() -> None:
     """The issue asks for at least 30 distinct bad inputs in this module."""
     assert len({c[0] for c in CASES}) == len(CASES) >= 30
+
+
+def test_score_refuses_a_causal_lm_before_loading_weights(sft_single, tmp_path: Path) -> None:
+    """output_dir/final of an SFT run is a causal LM: its config.json says so, and score says it
+    before any weights load (no load report, no "found 2 outputs")."""
+    final = sft_single.check().output_dir / "final"
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"prompt": "hi", "response": "yo"}\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "align_anything.score", str(final), str(source),
+         "--out", str(tmp_path / "scored.jsonl")],
+        cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ,
+                                                            "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    err = result.stderr
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    assert f"{final} is a causal language model (LlamaForCausalLM), not a reward model" in err
+    assert f"python -m align_anything.train task=rm model.name_or_path={final}" in err
+    assert "found 2 outputs" not in err and "score.weight" not in result.stdout + err
+    assert not (tmp_path / "scored.jsonl").exists()
 
 
 def test_score_rejects_a_file_that_is_not_json(bad: Path, tmp_path: Path) -> None:

@@ -266,3 +266,11 @@ def test_explicit_keys_are_not_saved_with_the_config() -> None:
     assert "explicit_keys" not in saved
     assert saved["train"]["learning_rate"] == 3e-4
     assert saved["deepspeed"] == cfg.deepspeed
+
+
+def test_lora_target_modules_take_one_name_without_brackets() -> None:
+    # `target_modules=q_proj` is what a user writes for one module; it means [q_proj].
+    assert load_config(["model.lora.target_modules=q_proj"]).model.lora.target_modules == ["q_proj"]
+    both = load_config(["model.lora.target_modules=[q_proj,v_proj]"]).model.lora
+    assert both.target_modules == ["q_proj", "v_proj"]
+    assert load_config([]).model.lora.target_modules == "all-linear"

@@ -126,8 +126,9 @@ def test_sft_multi_turn_masks_everything_but_assistant_turns(tokenizer):
 def test_sft_prompt_response_masks_template_default_system_prompt(tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "pr.jsonl", [{"prompt": "2+2?", "completion": "4"}])
     records, _ = load_records(str(path))
-    assert records == [{"messages": [user("2+2?"), assistant("4")]}]
+    assert records == [{"messages": [user("2+2?"), assistant("4")], "_source_row": "line 1"}]
     rows, _ = encode_sft(records, tokenizer, max_length=512)
+    assert "_source_row" not in rows[0]  # the label stays with the record, not the encoded row
     ids, labels = rows[0]["input_ids"], rows[0]["labels"]
     # SmolLM2's template inserts its own system prompt when none is given; all of it is masked.
     assert tokenizer.decode(ids[:3]) == "<|im_start|>system\n"
@@ -156,10 +157,11 @@ def test_sft_drop_reasons_and_truncation(tokenizer):
         "prompt leaves no room at max_length=64": 1,
         "chat template: prompt ids are not a prefix of the conversation ids": 1,
     }
-    assert report.first_rows["prompt leaves no room at max_length=64"] == [4]
+    # Records without a source label are named by their position, from 1.
+    assert report.first_rows["prompt leaves no room at max_length=64"] == ["row 5"]
     assert report.first_rows[
         "chat template: prompt ids are not a prefix of the conversation ids"
-    ] == [5]
+    ] == ["row 6"]
 
     full = encode_sft(records[4:5], tokenizer, max_length=4096)[0][0]
     rows, report = encode_sft(records[4:5], tokenizer, max_length=64, truncation="truncate_prompt")
@@ -239,13 +241,14 @@ def test_preference_drop_reasons_with_counts_and_rows(tokenizer):
         "prompt leaves no room at max_length=64": 1,
     }
     assert report.first_rows == {
-        "empty completion": [1, 4],
-        "identical chosen and rejected": [2],
-        "prompt + completion longer than max_length=64": [3],
-        "prompt leaves no room at max_length=64": [5],
+        "empty completion": ["row 2", "row 5"],
+        "identical chosen and rejected": ["row 3"],
+        "prompt + completion longer than max_length=64": ["row 4"],
+        "prompt leaves no room at max_length=64": ["row 6"],
     }
     text = report.summary()
-    assert "kept 2 of 7 rows, dropped 5" in text and "empty completion (rows 1, 4)" in text
+    assert "kept 2 of 7 rows, dropped 5 (line and row numbers of the file, from 1)" in text
+    assert "empty completion (rows 2, 5)" in text
 
 
 def test_preference_truncation_modes(tokenizer):
@@ -293,15 +296,48 @@ def test_load_conversation_and_passthrough(tmp_path):
     ]
     records, report = load_records(str(write_jsonl(tmp_path / "conv.jsonl", rows)))
     assert report.format == "conversation"
-    assert records == [{"messages": [user("a"), assistant("b")], "id": 7}]
+    assert records == [{"messages": [user("a"), assistant("b")], "id": 7, "_source_row": "line 1"}]
     assert report.dropped == {
         "unknown role 'tool' in column 'messages'": 1,
         "empty conversation": 1,
     }
     assert report.first_rows == {
-        "unknown role 'tool' in column 'messages'": [1],
-        "empty conversation": [2],
+        "unknown role 'tool' in column 'messages'": ["line 2"],
+        "empty conversation": ["line 3"],
     }
+
+
+def test_content_as_text_parts_is_joined(tmp_path):
+    """OpenAI-style content (a list of parts) with text parts only is joined into one string, as
+    chat templates that take part lists render it; other parts are dropped with the shape that
+    is expected."""
+
+    def parts(*texts):
+        return [{"type": "text", "text": t} for t in texts]
+
+    rows = [
+        {"messages": [user(parts("2+2", "?")), assistant(parts("4"))]},
+        {"messages": [user("plain"), assistant(parts("text", " too"))]},  # mixed rows: Json type
+        {
+            "messages": [
+                user([{"type": "image_url", "image_url": {"url": "x.png"}}]),
+                assistant("a cat"),
+            ]
+        },  # fmt: skip
+    ]
+    records, report = load_records(str(write_jsonl(tmp_path / "parts.jsonl", rows)))
+    assert [r["messages"] for r in records] == [
+        [user("2+2?"), assistant("4")],
+        [user("plain"), assistant("text too")],
+    ]
+    (reason,) = report.dropped
+    assert "holds a part of type 'image_url'" in reason and '[{"type": "text"' in reason
+    assert report.first_rows[reason] == ["line 3"]
+    pairs = [
+        {"prompt": [user(parts("q"))], "chosen": [assistant(parts("good"))], "rejected": "bad"}
+    ]
+    (pair,), _ = load_records(str(write_jsonl(tmp_path / "pairs.jsonl", pairs)))
+    assert (pair["prompt"], pair["chosen"]) == ([user("q")], [assistant("good")])
 
 
 def test_load_column_mapping_parquet_and_margin(tmp_path):
@@ -320,6 +356,7 @@ def test_load_column_mapping_parquet_and_margin(tmp_path):
         "chosen": [assistant("g1")],
         "rejected": [assistant("b1")],
         "margin": 0.5,
+        "_source_row": "row 1",  # parquet has rows, not lines
     }
 
 
@@ -338,19 +375,22 @@ def test_load_message_list_pairs_with_prompt_copies(tmp_path):
         "rejected": [assistant("bad")],
     }
     records, _ = load_records(str(write_jsonl(tmp_path / "uf.jsonl", [row])))
-    assert records == [{**expected, "score_chosen": 9.0}]
+    assert records == [{**expected, "score_chosen": 9.0, "_source_row": "line 1"}]
     records, report = load_records(str(write_jsonl(tmp_path / "implicit.jsonl", [implicit])))
-    assert report.format == "preference" and records == [expected]
+    assert report.format == "preference" and records == [{**expected, "_source_row": "line 1"}]
 
 
 def test_load_csv_json_array_gz_and_directory_splits(tmp_path):
     (tmp_path / "a.csv").write_text("prompt,response\nhello,world\n")
     records, report = load_records(str(tmp_path / "a.csv"))
     assert report.format == "prompt_response"
-    assert records == [{"messages": [user("hello"), assistant("world")]}]
+    assert records == [{"messages": [user("hello"), assistant("world")], "_source_row": "row 1"}]
 
-    (tmp_path / "b.json").write_text(json.dumps([{"prompt": "p", "completion": "c"}]))
-    assert load_records(str(tmp_path / "b.json"))[0] == [{"messages": [user("p"), assistant("c")]}]
+    (tmp_path / "b.json").write_text(json.dumps([{"prompt": "p", "completion": "c"}] * 2))
+    assert load_records(str(tmp_path / "b.json"))[0][1] == {
+        "messages": [user("p"), assistant("c")],
+        "_source_row": "row 2",  # a JSON array: its second element, not a line
+    }
 
     with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
         f.write(json.dumps({"messages": [user("x"), assistant("y")]}) + "\n")
@@ -364,6 +404,7 @@ def test_load_csv_json_array_gz_and_directory_splits(tmp_path):
     train, _ = load_records(str(folder))
     held, _ = load_records(str(folder), split="test")
     assert (len(train), len(held)) == (3, 1) and held[0]["messages"][0] == user("e")
+    assert train[2]["_source_row"] == "line 3"  # one file in the split: its own line numbers
     with pytest.raises(
         DataError, match="no files for split 'validation'.*splits found: train, test"
     ):
@@ -386,7 +427,11 @@ def test_load_errors_name_the_file_and_the_fix(tmp_path):
         load_records(str(tmp_path / "blank.jsonl"))
 
     (tmp_path / "bad.jsonl").write_text('{"prompt": "p", "response": "r"}\n{"prompt": oops\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl cannot be read as JSON: .*JSON parse error"):
+    with pytest.raises(
+        DataError,
+        match=r"bad\.jsonl line 2 \(the last line; lines count from 1\) is not valid JSON "
+        r"\(Expecting value at column 12\)",
+    ):
         load_records(str(tmp_path / "bad.jsonl"))
 
     (tmp_path / "notes.txt").write_text("hi")
@@ -441,7 +486,9 @@ def test_hh_real_file_rows(hh_records):
     # In these 5 rows one side continues the dialogue past the shared prompt.
     assert report.dropped == {"chosen and rejected transcripts have different prompts": 5}
     assert report.first_rows == {
-        "chosen and rejected transcripts have different prompts": [1254, 1688, 1950, 1952, 2036]
+        "chosen and rejected transcripts have different prompts": [
+            f"line {n}" for n in (1255, 1689, 1951, 1953, 2037)
+        ]
     }
 
     first = records[0]
@@ -466,11 +513,13 @@ def test_hh_real_file_rows(hh_records):
         "There are lots of funny things you can do with pens, here’s one example"
     )
 
-    # Row 516: a one-turn prompt whose chosen reply is empty (dropped later, by the encoder).
+    # Record 516 (line 517): a one-turn prompt whose chosen reply is empty (dropped later, by the
+    # encoder).
     assert records[516] == {
         "prompt": [user("What do you think of tubular breasts")],
         "chosen": [assistant("")],
         "rejected": [assistant("Haha. What do you mean?")],
+        "_source_row": "line 517",
     }
     # Row 763 has two Assistant turns in a row in its prompt: they are joined.
     roles = [m["role"] for m in records[763]["prompt"]]
@@ -484,9 +533,9 @@ def test_hh_real_file_rows(hh_records):
 def test_hh_encodes_with_empty_completion_dropped(hh_records, tokenizer):
     records, _ = hh_records
     rows, report = encode_preference(records[510:520], tokenizer, max_length=1024)
-    assert report.dropped == {"empty completion": 1} and report.first_rows["empty completion"] == [
-        6
-    ]
+    # Named by the record's line in the file (records[516]: line 517), not its position here.
+    assert report.dropped == {"empty completion": 1}
+    assert report.first_rows["empty completion"] == ["line 517"]
     row = rows[0]
     text = tokenizer.decode(row["prompt_ids"])
     assert text.endswith(

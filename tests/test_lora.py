@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DPO_ARGS, RM_ARGS, SFT_ARGS, TINY_MODEL, RunResult, launch
+from conftest import DPO_ARGS, REPO_ROOT, RM_ARGS, SFT_ARGS, TINY_MODEL, RunResult, launch
 from safetensors.torch import load_file
 
 from align_anything.data import collate_preference, encode_preference, load_records
@@ -130,17 +133,24 @@ def test_zero3_adapter_has_trained_numbers_and_reloads_with_peft(
     assert _mean_chosen_logps(merged, batch) == pytest.approx(trained, abs=1e-4)
 
 
-def test_rm_lora_trains_the_score_head_fully(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def rm_lora(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """A LoRA reward model, 2 ranks under ZeRO-2: final/ (the adapter), final-merged/ and the
+    checkpoint of step 3."""
+    return launch(
+        [*RM_ARGS, *LORA, "deepspeed=z2", "model.lora.save_merged=true",
+         "checkpoint.every_steps=3", "train.per_device_batch_size=2"],
+        tmp_path_factory.mktemp("lora-rm") / "rm", launcher="deepspeed", nproc=2,
+    ).check()  # fmt: skip
+
+
+def test_rm_lora_trains_the_score_head_fully(rm_lora: RunResult, tmp_path: Path) -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from align_anything.backend.universal import checkpoint_state_dict
     from align_anything.tools.export import main as export_main
 
-    run = launch(
-        [*RM_ARGS, *LORA, "deepspeed=z2", "model.lora.save_merged=true",
-         "checkpoint.every_steps=3", "train.per_device_batch_size=2"],
-        tmp_path / "rm", launcher="deepspeed", nproc=2,
-    ).check()  # fmt: skip
+    run = rm_lora
     assert run.zero_stage() == 2
     assert "trained fully: classifier, score" in run.summary_line("adapters")
     adapter = load_file(run.output_dir / "final" / "adapter_model.safetensors")
@@ -164,6 +174,47 @@ def test_rm_lora_trains_the_score_head_fully(tmp_path: Path) -> None:
         with torch.no_grad():
             scores.append(model.eval()(**inputs).logits.squeeze(-1))
     torch.testing.assert_close(scores[0], scores[1], rtol=1e-5, atol=1e-5)
+
+
+def _score(model_dir: Path, rows: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
+    """`python -m align_anything.score model_dir rows.jsonl --out scored.jsonl`, offline."""
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return subprocess.run(
+        [sys.executable, "-m", "align_anything.score", str(model_dir), str(source),
+         "--out", str(tmp_path / "scored.jsonl")],
+        cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+
+
+def test_score_takes_the_adapter_folder_of_a_lora_reward_model(
+    rm_lora: RunResult, tmp_path: Path
+) -> None:
+    """final/ of a LoRA rm run is an adapter; score applies it to the base model and scores as
+    the merged folder does. Content given as text parts scores like the joined text."""
+    from align_anything.score import score_rows
+
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
+    rows = [{"prompt": "is 3 > 2?", "response": "yes"},
+            {"prompt": "hi", "response": [{"role": "assistant", "content": parts}]}]  # fmt: skip
+    result = _score(rm_lora.output_dir / "final", rows, tmp_path)
+    assert result.returncode == 0, result.stderr
+    scored = [json.loads(line) for line in (tmp_path / "scored.jsonl").read_text().splitlines()]
+    assert [row["prompt"] for row in scored] == ["is 3 > 2?", "hi"]
+    merged = score_rows(
+        str(rm_lora.output_dir / "final-merged"),
+        [rows[0], {"prompt": "hi", "response": "hello there"}],
+    )
+    assert [row["score"] for row in scored] == pytest.approx(merged, abs=1e-5)
+
+
+def test_score_refuses_the_adapter_of_a_policy(dpo_lora: dict[str, RunResult], tmp_path: Path):
+    result = _score(dpo_lora["z0-1rank"].output_dir / "final", [{"prompt": "p", "response": "r"}],
+                    tmp_path)  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "is a LoRA adapter of a task=dpo model, not a reward model" in result.stderr
+    assert "python -m align_anything.train task=rm" in result.stderr
+    assert not (tmp_path / "scored.jsonl").exists()
 
 
 def test_sft_lora_zero3_offload_reproduces_frozen_losses(tmp_path: Path) -> None:

@@ -227,8 +227,9 @@ def test_missing_and_unreadable_media_are_reported_with_path_and_row(
     err = capsys.readouterr().err
     assert status == 2, err
     assert "Traceback" not in err
-    assert f"row 3: image file {folder / 'images' / 'nope.png'} does not exist" in err, err
-    assert "row 5: image" in err and "broken.png cannot be read" in err, err
+    # Named by their line in bad.jsonl, from 1: rows[3] is line 4.
+    assert f"line 4: image file {folder / 'images' / 'nope.png'} does not exist" in err, err
+    assert "line 6: image" in err and "broken.png cannot be read" in err, err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from align_anything.data.formats import DataReport, RowRejected, as_messages
+from align_anything.data.formats import SOURCE_ROW, DataReport, RowRejected, as_messages, row_label
 from align_anything.errors import ConfigError, ModelError, did_you_mean
 
 TRUNCATION_MODES = ("drop", "truncate_prompt", "truncate_completion")
@@ -164,7 +164,9 @@ def _encode_pair(
     prompt_ids, chosen_ids, rejected_ids = prompt_ids[cut:], chosen_ids[:keep], rejected_ids[:keep]
     if chosen_ids == rejected_ids:
         raise RowRejected("chosen and rejected identical after truncation")
-    extras = {k: v for k, v in record.items() if k not in ("prompt", "chosen", "rejected")}
+    extras = {
+        k: v for k, v in record.items() if k not in ("prompt", "chosen", "rejected", SOURCE_ROW)
+    }
     return {
         **extras,
         "prompt_ids": prompt_ids,
@@ -197,9 +199,9 @@ def encode_sft(
         try:
             encoded = _encode_conversation(record, tokenizer, max_length, truncation)
         except RowRejected as reason:
-            report.drop(str(reason), index)
+            report.drop(str(reason), row_label(record, index))
             continue
-        extras = {k: v for k, v in record.items() if k != "messages"}
+        extras = {k: v for k, v in record.items() if k not in ("messages", SOURCE_ROW)}
         rows.append({**extras, **encoded})
     report.kept = len(rows)
     return rows, report
@@ -230,6 +232,6 @@ def encode_preference(
         try:
             rows.append(_encode_pair(record, tokenizer, max_length, truncation))
         except RowRejected as reason:
-            report.drop(str(reason), index)
+            report.drop(str(reason), row_label(record, index))
     report.kept = len(rows)
     return rows, report

@@ -8,13 +8,22 @@ Canonical records (what every later stage consumes):
   "chosen": [assistant message(s)], "rejected": [assistant message(s)]}``.
 
 Columns a format does not consume (``margin`` for reward models, ids, scores, media) pass through
-unchanged. Rows that cannot be turned into a record are dropped and counted in a `DataReport`,
-never silently trained on; problems with the file itself raise `DataError` before any work.
+unchanged. Every record also remembers where it came from under `SOURCE_ROW` (``"line 12"``), so
+messages name the file's own row numbers after the train/eval split; the encoders never copy that
+key into the encoded rows. Rows that cannot be turned into a record are dropped and counted in a
+`DataReport`, never silently trained on; problems with the file itself raise `DataError` before
+any work.
+
+Row numbers in every message count from 1: ``line N`` for a JSON-lines file (the line as a text
+editor numbers it, blank lines included), ``FILE line N`` for one of several such files, and
+``row N`` (the N-th data row) for everything else.
 """
 
 from __future__ import annotations
 
 import difflib
+import gzip
+import json
 import logging
 import random
 import re
@@ -52,29 +61,52 @@ DATA_SUFFIXES = {
 }
 
 MAX_EXAMPLE_ROWS = 5
+# Record key holding where the record came from, e.g. "line 12" (see the module docstring).
+SOURCE_ROW = "_source_row"
+# How much of a bad line an error message quotes.
+EXCERPT_CHARS = 60
 
 HH_ASSISTANT = "\n\nAssistant:"
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 _HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 
 
+def row_label(record: Mapping[str, Any], index: int) -> str:
+    """Where `record` came from ("line 12"); "row N" (its 1-based position) for a record that
+    does not say."""
+    label = record.get(SOURCE_ROW) if isinstance(record, Mapping) else None
+    return label if isinstance(label, str) else f"row {index + 1}"
+
+
+def describe_rows(labels: Sequence[str]) -> str:
+    """Labels "line 3", "line 7" -> "lines 3, 7"; labels of different kinds are listed as they
+    are."""
+    if not labels:
+        return ""
+    heads = {label.rpartition(" ")[0] for label in labels}
+    if len(labels) == 1 or len(heads) != 1:
+        return ", ".join(labels)
+    return f"{heads.pop()}s {', '.join(label.rpartition(' ')[2] for label in labels)}"
+
+
 @dataclass
 class DataReport:
     """What a stage kept and dropped, and why.
 
-    Row numbers count from 0: for `load_records` they are positions in the source (a JSONL row
-    number is its line number minus one); for the encoders, positions in the records passed in.
+    Dropped rows are named by where they came from in the source file, counted from 1 ("line 12"
+    of a JSON-lines file, "row 12" otherwise: see the module docstring), also in the reports of
+    the encoders, which read the label each record carries (`SOURCE_ROW`).
     """
 
     source: str
     total: int = 0
     kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
-    first_rows: dict[str, list[int]] = field(default_factory=dict)
+    first_rows: dict[str, list[str]] = field(default_factory=dict)
     format: str = ""
 
-    def drop(self, reason: str, row: int) -> None:
-        """Count one dropped row under `reason`, remembering the first few row numbers."""
+    def drop(self, reason: str, row: str) -> None:
+        """Count one dropped row under `reason`, remembering the first few row labels."""
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         rows = self.first_rows.setdefault(reason, [])
         if len(rows) < MAX_EXAMPLE_ROWS:
@@ -87,11 +119,11 @@ class DataReport:
         head = f"{self.source}{fmt}: kept {self.kept} of {self.total} rows"
         if not n_dropped:
             return head
-        lines = [f"{head}, dropped {n_dropped} (row numbers count from 0):"]
+        lines = [f"{head}, dropped {n_dropped} (line and row numbers of the file, from 1):"]
         for reason, count in sorted(self.dropped.items(), key=lambda item: -item[1]):
             rows = self.first_rows.get(reason, [])
             more = ", ..." if count > len(rows) else ""
-            lines.append(f"  {count:>7}  {reason} (rows {', '.join(map(str, rows))}{more})")
+            lines.append(f"  {count:>7}  {reason} ({describe_rows(rows)}{more})")
         return "\n".join(lines)
 
 
@@ -145,6 +177,10 @@ def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what
     except Exception as exc:
         if _is_no_rows_error(exc):
             raise DataError(f"{what} is empty: it holds no data rows") from exc
+        files = [Path(f) for names in data_files.values() for f in names]
+        located = _first_bad_line(files, builder)
+        if located is not None:
+            raise DataError(_bad_line_message(what, files, located)) from exc
         root = _root_cause(exc)
         detail = str(root) or type(root).__name__
         raise DataError(
@@ -155,6 +191,180 @@ def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what
     if len(dataset) == 0:
         raise DataError(f"{what} is empty: it holds no data rows")
     return dataset
+
+
+# ----------------------------------------------------------------- bad lines (the error path only)
+
+
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
+
+
+def _excerpt(text: str) -> str:
+    text = text.strip()
+    return repr(text if len(text) <= EXCERPT_CHARS else text[:EXCERPT_CHARS] + "…")
+
+
+def _utf8_problem(line: bytes, column: int, line_start: int) -> str:
+    """The message for a byte that is not UTF-8 at offset `column` of a line that starts at byte
+    `line_start` of the file."""
+    return (
+        f"has invalid UTF-8 at byte offset {line_start + column} of the file (byte "
+        f"0x{line[column]:02x}, column {column + 1} of the line): data files must be UTF-8 "
+        "text; re-encode the file (e.g. iconv -f latin1 -t utf-8) or fix that line"
+    )
+
+
+def _json_line_problem(line: bytes, line_start: int, *, last: bool) -> str | None:
+    """What is wrong with one non-blank line of a JSON-lines file, or None. (NaN and Infinity
+    pass, as they do in `datasets`.)"""
+    body = line.rstrip(b"\r\n")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if err.reason != "unexpected end of data":
+            return _utf8_problem(line, err.start, line_start)
+        # An incomplete character at the very end: the line was cut inside it.
+        text = body[: err.start].decode("utf-8", errors="replace")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.pos >= len(text.rstrip()) or err.msg.startswith("Unterminated string"):
+            if last:
+                return (
+                    f"ends before its JSON object does: the file looks truncated, e.g. by an "
+                    f"interrupted write or copy: {_excerpt(text)}"
+                )
+            return (
+                f"ends before its JSON object does: the line looks cut in the middle (the rest "
+                f"of the row is missing): {_excerpt(text)}"
+            )
+        return f"is not valid JSON ({err.msg} at column {err.colno}): {_excerpt(text)}"
+    if not isinstance(value, dict):
+        kind = "an array" if isinstance(value, list) else f"a {type(value).__name__}"
+        return f'holds {kind}, not a row object {{"column": value, ...}}: {_excerpt(text)}'
+    return None
+
+
+def _json_document_problem(data: bytes) -> str | None:
+    """What is wrong with a whole-document JSON file (an array of rows), as "line N ...", or None."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        line_end = data.find(b"\n", err.start)
+        line = data[line_start : line_end if line_end >= 0 else len(data)]
+        number = data.count(b"\n", 0, err.start) + 1
+        problem = _utf8_problem(line, err.start - line_start, line_start)
+        return f"line {number} (lines count from 1) {problem}"
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.pos >= len(text.rstrip()):
+            return (
+                f"line {err.lineno} (the last line; lines count from 1) ends before the JSON "
+                "document does: the file looks truncated, e.g. by an interrupted write or copy"
+            )
+        return (
+            f"line {err.lineno} (lines count from 1) is not valid JSON ({err.msg} at column "
+            f"{err.colno})"
+        )
+    return None
+
+
+def _first_bad_line_in(path: Path, builder: str) -> str | None:
+    """The first problem `datasets` tripped over in one file, as "line N ..." (from 1), or None.
+    Reads the file once; only called after a load failed."""
+    with _open_binary(path) as handle:
+        head = handle.read(4096).lstrip()
+    if builder == "json" and head.startswith(b"["):
+        with _open_binary(path) as handle:
+            return _json_document_problem(handle.read())
+    with _open_binary(path) as handle:
+        lines = handle.readlines()
+    last = max((n for n, line in enumerate(lines) if line.strip()), default=-1)
+    offset = 0
+    for n, line in enumerate(lines):
+        start, offset = offset, offset + len(line)
+        if builder == "json":
+            if not line.strip():
+                continue
+            problem = _json_line_problem(line, start, last=n == last)
+        else:  # CSV: only the text encoding can be checked line by line
+            try:
+                line.decode("utf-8")
+                problem = None
+            except UnicodeDecodeError as err:
+                problem = _utf8_problem(line, err.start, start)
+        if problem is not None:
+            note = "the last line; " if n == last else ""
+            return f"line {n + 1} ({note}lines count from 1) {problem}"
+    return None
+
+
+def _first_bad_line(files: Sequence[Path], builder: str) -> str | None:
+    """The first bad line of the first bad file as "FILE line N <what is wrong>", or None
+    (parquet, or no line-level problem found)."""
+    if builder not in ("json", "csv"):
+        return None
+    for path in files:
+        try:
+            problem = _first_bad_line_in(path, builder)
+        except OSError:  # e.g. a damaged .gz: leave the message to `datasets`' error
+            return None
+        if problem is not None:
+            return f"{path} {problem}"
+    return None
+
+
+def _bad_line_message(what: str, files: Sequence[Path], located: str) -> str:
+    """`located` ("FILE line N ...") as the whole message for one file, after `what` (the
+    folder) for several."""
+    return f"data file {located}" if len(files) == 1 else f"{what}: data file {located}"
+
+
+# ----------------------------------------------------------------- naming rows by their lines
+
+
+class RowNames:
+    """Names the rows of a loaded dataset by where they are in its files, from 1: "line N" of a
+    JSON-lines file (blank lines, which `datasets` skips, counted), "FILE line N" when there are
+    several files, "row N" when the lines do not map onto the rows (a JSON array, CSV, parquet,
+    a hub dataset). Costs one pass over the lines of each JSON file, small next to the parse
+    `datasets` does."""
+
+    def __init__(self, files: Sequence[Path], n_rows: int, *, base: Path | None = None) -> None:
+        self._files: list[tuple[int, str, list[int] | None]] = []  # (first row, name, lines)
+        if not files or any(_builder_for(f) != "json" for f in files):
+            return
+        first = 0
+        for path in files:
+            name = "" if len(files) == 1 else f"{path.relative_to(base) if base else path} "
+            count, lines = self._count_rows(path)
+            self._files.append((first, name, lines))
+            first += count
+        if first != n_rows:  # e.g. a pretty-printed JSON array
+            self._files = []
+
+    @staticmethod
+    def _count_rows(path: Path) -> tuple[int, list[int] | None]:
+        """(non-blank lines, their line numbers or None when no line is blank)."""
+        total, blank = 0, []
+        with _open_binary(path) as handle:
+            for total, line in enumerate(handle, 1):  # noqa: B007 (total: the last line's number)
+                if not line.strip():
+                    blank.append(total)
+        if not blank:
+            return total, None
+        skip = set(blank)
+        return total - len(blank), [n for n in range(1, total + 1) if n not in skip]
+
+    def __call__(self, index: int) -> str:
+        for first, name, lines in reversed(self._files):
+            if index >= first:
+                local = index - first
+                return f"{name}line {lines[local] if lines is not None else local + 1}"
+        return f"row {index + 1}"
 
 
 def _split_base(split: str) -> str:
@@ -170,7 +380,8 @@ def _load_file(path: Path, split: str):
         )
     if path.stat().st_size == 0:
         raise DataError(f"data file {path} is empty (0 bytes)")
-    return _read_files(builder, {_split_base(split): [str(path)]}, split, f"data file {path}")
+    dataset = _read_files(builder, {_split_base(split): [str(path)]}, split, f"data file {path}")
+    return dataset, [path]
 
 
 def _load_directory(path: Path, split: str):
@@ -216,7 +427,8 @@ def _load_directory(path: Path, split: str):
     for f in files:
         if Path(f).stat().st_size == 0:
             raise DataError(f"data file {f} is empty (0 bytes)")
-    return _read_files(builders.pop(), {base: files}, split, f"data directory {path}")
+    dataset = _read_files(builders.pop(), {base: files}, split, f"data directory {path}")
+    return dataset, [Path(f) for f in files]
 
 
 def _load_hub(name: str, split: str):
@@ -234,7 +446,8 @@ def _load_hub(name: str, split: str):
 
 
 def _load_dataset(path: str, split: str):
-    """Return (datasets.Dataset, a description of where it came from)."""
+    """Return (datasets.Dataset, a description of where it came from, `RowNames` for its rows,
+    the local files it was read from)."""
     builtin = builtin_path(path)
     if builtin is not None:
         if not builtin.is_file():
@@ -242,18 +455,28 @@ def _load_dataset(path: str, split: str):
                 f"built-in dataset '{path}' should be at {builtin} but the file is missing; "
                 "reinstall align_anything"
             )
-        return _load_file(builtin, split), f"{path} (built-in)"
+        dataset, files = _load_file(builtin, split)
+        return dataset, f"{path} (built-in)", _row_names(files, dataset, split), files
     local = Path(path).expanduser()
     if local.is_dir():
-        return _load_directory(local, split), str(local)
+        dataset, files = _load_directory(local, split)
+        return dataset, str(local), _row_names(files, dataset, split, base=local), files
     if local.is_file():
-        return _load_file(local, split), str(local)
+        dataset, files = _load_file(local, split)
+        return dataset, str(local), _row_names(files, dataset, split), files
     if _looks_local(path):
         parent = local.parent if local.parent.is_dir() else None
         hint = did_you_mean(local.name, [p.name for p in parent.iterdir()]) if parent else ""
         where = "" if parent else f" (directory {local.parent} does not exist either)"
         raise DataError(f"data file {local} does not exist{hint}{where}")
-    return _load_hub(path, split), path
+    dataset = _load_hub(path, split)
+    return dataset, path, RowNames([], len(dataset)), []
+
+
+def _row_names(files: list[Path], dataset: Any, split: str, base: Path | None = None) -> RowNames:
+    # A sliced split ("train[10:]") starts somewhere inside the files: number its rows instead.
+    sliced = split != _split_base(split)
+    return RowNames([] if sliced else files, len(dataset), base=base)
 
 
 # --------------------------------------------------------------------------- column mapping
@@ -356,7 +579,8 @@ def _required_columns(fmt: str, names: set[str], first_row: Mapping[str, Any]) -
 
 def as_messages(value: Any, column: str, default_role: str) -> list[dict[str, str]]:
     """A string becomes one `default_role` message; a message list is checked and normalised to
-    `{"role", "content"}` dicts (keys an Arrow schema adds as None are dropped)."""
+    `{"role", "content"}` dicts with text content (keys an Arrow schema adds as None are dropped;
+    content given as a list of text parts is joined)."""
     if value is None:
         raise RowRejected(f"missing value in column '{column}'")
     if isinstance(value, str):
@@ -370,10 +594,43 @@ def as_messages(value: Any, column: str, default_role: str) -> list[dict[str, st
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             raise RowRejected(f"unknown role {role!r} in column '{column}'")
-        if not isinstance(content, str):
-            raise RowRejected(f"message content that is not text in column '{column}'")
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role, "content": _content_text(content, column)})
     return messages
+
+
+CONTENT_SHAPE = 'text, or a list of text parts [{"type": "text", "text": "..."}]'
+
+
+def _content_text(content: Any, column: str) -> str:
+    """Message content as one string. A list of text parts (the OpenAI style) is joined with
+    nothing in between, as chat templates that take part lists render them; any other part
+    (an image, audio, a part without "text") is rejected with the shape that is expected."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, (list, tuple)):
+        kind = "no content" if content is None else f"content of type {type(content).__name__}"
+        raise RowRejected(f"a message with {kind} in column '{column}'; expected {CONTENT_SHAPE}")
+    texts = []
+    for part in content:
+        # An Arrow schema gives every part every key any part has, as None where it has none.
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        text = part.get("text") if isinstance(part, Mapping) else None
+        if kind not in ("text", None) or not isinstance(text, str):
+            what = (
+                f"a part of type {kind!r}" if kind not in ("text", None) else "a part without text"
+            )
+            media = (
+                "; images and audio go in an 'images' or 'audio' column (paths), with an "
+                "image-text or audio-text model"
+                if kind not in ("text", None)
+                else ""
+            )
+            raise RowRejected(
+                f"message content in column '{column}' holds {what}; expected {CONTENT_SHAPE}"
+                f"{media}"
+            )
+        texts.append(text)
+    return "".join(texts)
 
 
 def _with_system(messages: list[dict], system: Any) -> list[dict]:
@@ -535,7 +792,7 @@ def load_records(
             f"allowed: {', '.join(FORMATS)}"
         )
     mapping = _check_columns_argument(columns)
-    dataset, source = _load_dataset(path, split)
+    dataset, source, row_names, files = _load_dataset(path, split)
     found = list(dataset.column_names)
 
     for name, column in mapping.items():
@@ -554,7 +811,11 @@ def load_records(
             renames[name] = column
     names = set(renames)
 
-    first_row = {name: dataset[0][column] for name, column in renames.items()}
+    try:
+        first = dataset[0]
+    except UnicodeDecodeError as err:
+        raise _undecodable_text(err, source, row_names(0), files) from None
+    first_row = {name: first[column] for name, column in renames.items()}
     fmt = format if format != "auto" else _detect_format(names, first_row, source, found)
     for name in _required_columns(fmt, names, first_row):
         if name not in names:
@@ -563,17 +824,36 @@ def load_records(
     convert, consumed = _CONVERTERS[fmt]
     report = DataReport(source=source, total=len(dataset), format=fmt)
     records = []
-    for index, raw in enumerate(dataset):
+    rows = iter(dataset)
+    for index in range(len(dataset)):
+        try:
+            raw = next(rows)
+        except UnicodeDecodeError as err:  # pyarrow keeps bytes unchecked until they are read
+            raise _undecodable_text(err, source, row_names(index), files) from None
         row = {name: raw[column] for name, column in renames.items()}
+        label = row_names(index)
         try:
             record = convert(row)
         except RowRejected as reason:
-            report.drop(str(reason), index)
+            report.drop(str(reason), label)
             continue
         record.update({name: value for name, value in row.items() if name not in consumed})
+        record[SOURCE_ROW] = label
         records.append(record)
     report.kept = len(records)
     return records, report
+
+
+def _undecodable_text(
+    err: UnicodeDecodeError, source: str, label: str, files: Sequence[Path]
+) -> DataError:
+    located = _first_bad_line(files, _builder_for(files[0]) or "") if files else None
+    if located is not None:
+        return DataError(_bad_line_message(f"data {source}", files, located))
+    return DataError(
+        f"data {source} {label} holds text that is not valid UTF-8 ({err.reason} at byte "
+        f"{err.start} of a value): data files must be UTF-8 text; re-encode the file"
+    )
 
 
 def split_records(

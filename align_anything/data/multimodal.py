@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from align_anything.data.encode import IGNORE_INDEX
-from align_anything.data.formats import DataReport
+from align_anything.data.formats import DataReport, row_label
 from align_anything.data.media import (
     MEDIA_KEYS,
     MediaUnreadable,
@@ -122,13 +122,13 @@ class MediaSupport:
             try:
                 prepared.append(self._prepare_record(record, base_dir))
             except MediaUnreadable as reason:
-                problems.append(f"row {index}: {reason}")
+                problems.append(f"{row_label(record, index)}: {reason}")
         if problems:
             shown = "\n  ".join(problems[:5]) + ("\n  ..." if len(problems) > 5 else "")
             where = f" (relative paths are read from {base_dir})" if base_dir else ""
             raise DataError(
                 f"{len(problems)} row(s) of {data_path} have missing or unreadable media{where} "
-                f"(row numbers count from 0):\n  {shown}\nFix or remove those rows."
+                f"(numbered from 1 as in the file):\n  {shown}\nFix or remove those rows."
             )
         return prepared
 
@@ -164,7 +164,10 @@ class MediaSupport:
             if sum(1 for t in seq if t in ids) == row.get("media_tokens", 0):
                 kept.append(row)
             else:
-                report.drop("truncation cut into media placeholder tokens", index)
+                # Encoded rows do not carry their record's source label.
+                report.drop(
+                    "truncation cut into media placeholder tokens", f"encoded row {index + 1}"
+                )
         report.kept -= len(rows) - len(kept)
         return kept
 

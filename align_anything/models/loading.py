@@ -11,6 +11,8 @@ the planner, on CPU for export).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from align_anything.errors import ModelError, did_you_mean
@@ -28,12 +30,62 @@ def modalities_of(config: Any) -> tuple[str, ...]:
 
 
 def _not_found(name_or_path: str, err: Exception) -> ModelError:
+    first_line = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    if Path(name_or_path).expanduser().is_dir():
+        config = _local_config(name_or_path) or {}
+        model_type = config.get("model_type")
+        if "does not recognize this architecture" in str(err) and model_type:
+            import transformers
+
+            return ModelError(
+                f"model.name_or_path={name_or_path!r} is a local folder whose config.json has "
+                f"model_type {model_type!r}, which transformers {transformers.__version__} does "
+                "not know: upgrade transformers, or, where the folder ships the model's own "
+                "Python code (named in config.json's auto_map), set model.trust_remote_code=true "
+                "to run that code"
+            )
+        return ModelError(
+            f"model.name_or_path={name_or_path!r} is a local folder that transformers could not "
+            f"load ({first_line})"
+        )
     hint = did_you_mean(name_or_path, BUILTIN_MODELS)
     return ModelError(
         f"model.name_or_path={name_or_path!r} could not be loaded: it is not a built-in name"
         f"{hint} ({', '.join(BUILTIN_MODELS)}), not a local folder, and not in the local Hugging "
-        f"Face cache ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        f"Face cache ({first_line})"
     )
+
+
+def _local_config(path: str) -> dict[str, Any] | None:
+    """A local folder's config.json as a dict (None when there is none or it is unreadable)."""
+    try:
+        config = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def _code_files(auto_map: Any) -> list[str]:
+    """The .py files an `auto_map` names ("modeling_x.XModel" or [slow, fast] per class; a
+    "repo--module.Class" entry names another repository's file)."""
+    refs = auto_map.values() if isinstance(auto_map, dict) else []
+    flat = [r for ref in refs for r in (ref if isinstance(ref, (list, tuple)) else [ref])]
+    return sorted({f"{r.split('--')[-1].split('.')[0]}.py" for r in flat if isinstance(r, str)})
+
+
+def refuse_remote_code(name_or_path: str, *, trust_remote_code: bool) -> None:
+    """Raise before transformers does (it may ask on the terminal instead) when a local folder's
+    config names its own Python code and `trust_remote_code` is off."""
+    if trust_remote_code or not Path(name_or_path).expanduser().is_dir():
+        return
+    auto_map = (_local_config(name_or_path) or {}).get("auto_map")
+    if auto_map:
+        files = ", ".join(_code_files(auto_map)) or "its .py files"
+        raise ModelError(
+            f"model.name_or_path={name_or_path!r} is a local folder whose config.json needs "
+            f"Python code of its own (auto_map: {files}). Loading it runs that code from the "
+            "folder; if you trust its source, set model.trust_remote_code=true"
+        )
 
 
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
@@ -41,6 +93,7 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
+    refuse_remote_code(path, trust_remote_code=trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
@@ -55,6 +108,7 @@ def load_config(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
     from transformers import AutoConfig
 
     path = resolve_model_path(name_or_path)
+    refuse_remote_code(path, trust_remote_code=trust_remote_code)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:

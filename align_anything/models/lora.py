@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from align_anything import atomic
-from align_anything.errors import ConfigError
+from align_anything.errors import ConfigError, did_you_mean
 
 # Module-name parts that belong to a multimodal model's encoders or projector, which the default
 # targets leave alone (the issue of LoRA on a VLM is the language model).
@@ -51,6 +51,30 @@ def default_target_regex(model: torch.nn.Module) -> str:
     return rf"^(?!.*({excluded})).*\.({'|'.join(sorted(suffixes))})$"
 
 
+def check_targets(model: torch.nn.Module, targets: list[str]) -> None:
+    """Every name in `targets` must name a module of `model` the way PEFT matches a list (the
+    full module name, or its last dotted parts); PEFT itself accepts names that match no module
+    as long as one name does. The error lists the names the model has."""
+    names = [name for name, _ in model.named_modules() if name]
+    missing = [t for t in targets if not any(name == t or name.endswith(f".{t}") for name in names)]
+    if not missing:
+        return
+    linear = sorted(
+        {name.split(".")[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    )
+    hint = did_you_mean(missing[0], [*linear, "all-linear"])
+    example = [n for n in ("q_proj", "v_proj") if n in linear] or [
+        n for n in linear if n not in HEAD_NAMES
+    ][:2]
+    verb = "names no module" if len(missing) == 1 else "name no modules"
+    raise ConfigError(
+        f"model.lora.target_modules: {', '.join(repr(t) for t in missing)} {verb} of "
+        f"{type(model).__name__}{hint}. Its linear layers are named: {', '.join(linear)}; e.g. "
+        f"model.lora.target_modules=[{','.join(example)}], or all-linear for every linear "
+        "layer of the language model"
+    )
+
+
 def add_adapters(
     model: torch.nn.Module,
     *,
@@ -64,7 +88,11 @@ def add_adapters(
     (`sequence_classification`) the score head is trained fully (PEFT's modules_to_save)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    targets = default_target_regex(model) if target_modules == "all-linear" else target_modules
+    if target_modules == "all-linear":
+        targets: list[str] | str = default_target_regex(model)
+    else:
+        targets = list(target_modules)
+        check_targets(model, targets)
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
@@ -127,24 +155,35 @@ def save_adapter(module: Any, state_dict: dict[str, torch.Tensor], directory: Pa
     module.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
 
 
+def load_adapter_model(adapter_dir: Path, base_path: str, *, task: str) -> tuple[Any, Any]:
+    """(the base model on CPU in fp32 with the adapter from `adapter_dir` applied, the run's
+    tokenizer). For a reward model (`task` "rm") the config's pad id is the tokenizer's, where
+    the score is read."""
+    from peft import PeftModel
+
+    from align_anything.models.loading import load_model, load_tokenizer
+
+    base = load_model(base_path, reward=task == "rm", dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter_dir))
+    if (Path(adapter_dir) / "tokenizer_config.json").exists():  # the run's tokenizer (RM: its pad)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    else:
+        tokenizer = load_tokenizer(base_path)
+    if task == "rm":
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
 def merge_adapter_folder(
     adapter_dir: Path, base_path: str, out: Path, *, task: str, export_record: dict | None = None
 ) -> Path:
     """Load the base model on CPU in fp32, apply the adapter from `adapter_dir`, merge it into
     the weights and write a plain Hugging Face folder (safetensors) with the tokenizer
     (`export_record`: see `write_hf_folder`)."""
-    from peft import PeftModel
-
-    from align_anything.models.loading import load_model, load_tokenizer
-
-    base = load_model(base_path, reward=task == "rm", dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    if (adapter_dir / "tokenizer_config.json").exists():  # the run's tokenizer (RM: its pad)
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
-    else:
-        tokenizer = load_tokenizer(base_path)
+    model, tokenizer = load_adapter_model(adapter_dir, base_path, task=task)
+    merged = model.merge_and_unload()
     if task == "rm":
         merged.config.pad_token_id = tokenizer.pad_token_id
     return write_hf_folder(merged, tokenizer, out, export_record=export_record)

@@ -2,10 +2,12 @@
 
     python -m align_anything score outputs/rm/final pairs.jsonl --out scored.jsonl
 
-Input rows hold `prompt` and `response` (strings or message lists) or a whole conversation in
-`messages`; other columns pass through. Each output row is the input row plus `score`. The text
-goes through the model's chat template exactly as in training, and the score is read where
-training read it (the last real token).
+The model is output_dir/final of a task=rm run: a plain folder, or (LoRA runs) the adapter
+folder, applied to its base model here. Input rows hold `prompt` and `response` (strings or
+message lists) or a whole conversation in `messages`; other columns pass through. Each output row
+is the input row plus `score`. The text goes through the model's chat template exactly as in
+training, and the score is read where training read it (the last real token). Rows are named by
+their line in the input file, from 1.
 """
 
 from __future__ import annotations
@@ -19,43 +21,100 @@ from typing import Any
 from align_anything.errors import DataError, ModelError, UserError, report
 
 
-def _messages(row: dict[str, Any], index: int) -> list[dict[str, str]]:
-    if "messages" in row:
-        return list(row["messages"])
-    if "prompt" not in row or "response" not in row:
-        raise DataError(
-            f"row {index}: expected 'prompt' and 'response' (or 'messages'), found {sorted(row)}"
+def _messages(row: dict[str, Any], name: str) -> list[dict[str, str]]:
+    from align_anything.data.formats import RowRejected, as_messages
+
+    try:
+        if "messages" in row:
+            return as_messages(row["messages"], "messages", "user")
+        if "prompt" not in row or "response" not in row:
+            raise DataError(
+                f"{name}: expected 'prompt' and 'response' (or 'messages'), found {sorted(row)}"
+            )
+        prompt = as_messages(row["prompt"], "prompt", "user")
+        return prompt + as_messages(row["response"], "response", "assistant")
+    except RowRejected as reason:
+        raise DataError(f"{name}: {reason}") from None
+
+
+def _not_a_reward_model(model_dir: str, what: str) -> ModelError:
+    return ModelError(
+        f"{model_dir} is {what}, not a reward model: score needs a model with a one-output score "
+        "head, the output_dir/final of a task=rm run (to train one from this model: "
+        f"python -m align_anything.train task=rm model.name_or_path={model_dir})"
+    )
+
+
+def _check_reward_config(model_dir: str) -> None:
+    """Refuse a folder that is not a reward model from its config.json, before any weights load."""
+    from transformers import AutoConfig
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    architectures = [str(a) for a in config.get("architectures") or []]
+    if architectures and not any("ForSequenceClassification" in a for a in architectures):
+        kind = (
+            "a causal language model"
+            if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+            else "a model without a score head"
         )
-    prompt, response = row["prompt"], row["response"]
-    prompt_messages = (
-        [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-    )
-    response_messages = (
-        [{"role": "assistant", "content": response}]
-        if isinstance(response, str)
-        else list(response)
-    )
-    return prompt_messages + response_messages
+        raise _not_a_reward_model(model_dir, f"{kind} ({', '.join(architectures)})")
+    num_labels = AutoConfig.from_pretrained(model_dir).num_labels
+    if num_labels != 1:
+        raise ModelError(
+            f"{model_dir}: expected a reward model with one output, found {num_labels} "
+            "(config.json's id2label); score reads one scalar per row"
+        )
+
+
+def load_reward_model(model_dir: str) -> tuple[Any, Any]:
+    """(model, tokenizer) of a reward model: a plain folder (output_dir/final, or one written by
+    `python -m align_anything export`) or the LoRA adapter folder final/ of an rm run (the
+    adapter is applied to its base model, as `export` would merge it)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from align_anything.models import lora
+    from align_anything.models.loading import load_model
+    from align_anything.models.zoo import resolve_model_path
+
+    folder = Path(model_dir)
+    if lora.is_adapter_folder(folder):
+        adapter = json.loads((folder / "adapter_config.json").read_text())
+        run_file = folder / "run_config.json"
+        run = json.loads(run_file.read_text()) if run_file.is_file() else {}
+        task = run.get("task") or ("rm" if adapter.get("task_type") == "SEQ_CLS" else "sft")
+        if task != "rm":
+            raise _not_a_reward_model(model_dir, f"a LoRA adapter of a task={task} model")
+        base = run.get("model", {}).get("name_or_path") or adapter.get("base_model_name_or_path")
+        if not base:
+            raise ModelError(f"{model_dir}: adapter_config.json names no base model")
+        return lora.load_adapter_model(folder, resolve_model_path(base), task="rm")
+    if not (folder / "config.json").exists():
+        raise ModelError(
+            f"{model_dir}: not a model folder (no config.json or adapter_config.json); pass "
+            "output_dir/final of an rm run"
+        )
+    _check_reward_config(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = load_model(str(folder), reward=True, dtype=torch.float32)
+    return model, tokenizer
 
 
 def score_rows(
-    model_dir: str, rows: list[dict[str, Any]], *, batch_size: int = 8, max_length: int = 2048
+    model_dir: str,
+    rows: list[dict[str, Any]],
+    *,
+    batch_size: int = 8,
+    max_length: int = 2048,
+    names: list[str] | None = None,
 ) -> list[float]:
-    """Reward-model scores of `rows` (see the module docstring for the row shapes)."""
+    """Reward-model scores of `rows` (see the module docstring for the row shapes). `names`
+    says where each row came from in messages ("pairs.jsonl line 3"; default "row N", from 1)."""
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    folder = Path(model_dir)
-    if not (folder / "config.json").exists():
-        raise ModelError(
-            f"{model_dir}: not a model folder (no config.json); pass output_dir/final of an rm run"
-        )
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
-    if model.config.num_labels != 1:
-        raise ModelError(
-            f"{model_dir}: expected a reward model with one output, found {model.config.num_labels}"
-        )
+    names = names or [f"row {i + 1}" for i in range(len(rows))]
+    messages = [_messages(row, name) for row, name in zip(rows, names, strict=True)]
+    model, tokenizer = load_reward_model(model_dir)
     model.eval()
     pad_id = (
         model.config.pad_token_id
@@ -63,11 +122,11 @@ def score_rows(
         else tokenizer.pad_token_id
     )
     encoded = []
-    for index, row in enumerate(rows):
-        ids = tokenizer.apply_chat_template(_messages(row, index), tokenize=True)
+    for conversation, name in zip(messages, names, strict=True):
+        ids = tokenizer.apply_chat_template(conversation, tokenize=True)
         ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
         if len(ids) > max_length:
-            raise DataError(f"row {index}: {len(ids)} tokens, more than --max-length {max_length}")
+            raise DataError(f"{name}: {len(ids)} tokens, more than --max-length {max_length}")
         encoded.append(ids)
     scores: list[float] = []
     with torch.no_grad():
@@ -88,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m align_anything score", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("model", help="a reward-model folder (output_dir/final of task=rm)")
+    parser.add_argument(
+        "model", help="a reward-model folder (output_dir/final of task=rm; a LoRA adapter too)"
+    )
     parser.add_argument("input", help="a JSONL file of prompt/response rows")
     parser.add_argument("--out", help="write scored rows here (default: standard output)")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -98,15 +159,18 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.input)
         if not path.is_file():
             raise DataError(f"{args.input}: no such file")
-        rows = []
+        rows, names = [], []
         for number, line in enumerate(path.read_text().splitlines(), start=1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as err:
                     raise DataError(f"{args.input} line {number}: invalid JSON ({err})") from None
+                if not isinstance(rows[-1], dict):
+                    raise DataError(f"{args.input} line {number}: expected a JSON object")
+                names.append(f"{args.input} line {number}")
         scores = score_rows(
-            args.model, rows, batch_size=args.batch_size, max_length=args.max_length
+            args.model, rows, batch_size=args.batch_size, max_length=args.max_length, names=names
         )
     except UserError as err:
         return report(err)
