@@ -46,6 +46,14 @@ class LoraSection(_Section):
         False, description="Also write output_dir/final-merged: the adapter merged into the model."
     )
 
+    def adapters(self) -> dict[str, Any] | None:
+        """`lora.add_adapters`' settings (r, alpha, dropout, target_modules), or None when off."""
+        if not self.enabled:
+            return None
+        return dict(
+            r=self.r, alpha=self.alpha, dropout=self.dropout, target_modules=self.target_modules
+        )
+
     @field_validator("target_modules", mode="before")
     @classmethod
     def _names(cls, value: Any) -> Any:

@@ -70,13 +70,9 @@ class Estimate:
 
 def run_model_sizes(cfg: RunConfig) -> ModelSizes:
     """Parameter counts of the run's model (with its adapters when LoRA is on)."""
-    adapters = cfg.model.lora
     return model_sizes(
-        cfg.model.name_or_path,
-        reward=cfg.task == "rm",
-        trust_remote_code=cfg.model.trust_remote_code,
-        adapters=dict(r=adapters.r, alpha=adapters.alpha, dropout=adapters.dropout,
-                      target_modules=adapters.target_modules) if adapters.enabled else None,
+        cfg.model.name_or_path, reward=cfg.task == "rm",
+        trust_remote_code=cfg.model.trust_remote_code, adapters=cfg.model.lora.adapters(),
     )  # fmt: skip
 
 

@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout, with or without an installed package
 
 from align_anything.data.builtin import builtin_path  # noqa: E402
-from align_anything.trainers.base import step_indices  # noqa: E402
+from align_anything.trainers.batching import step_indices  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SEED = 42
@@ -94,7 +94,8 @@ def encoded_in_order(
 ) -> tuple[list[dict], list[int]]:  # fmt: skip
     """align_anything's encoding of the rows (none may be dropped: both trainers must see all
     of them) and the order it trains on them."""
-    from align_anything.models import load_tokenizer, resolve_model_path
+    from align_anything.models.loading import load_tokenizer
+    from align_anything.models.zoo import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(MODEL))
     encoded, data_report = encode(rows, tokenizer, max_length=max_length)
@@ -277,7 +278,7 @@ def run_comparison(
     setup: Setup, *, repeats: int, threads: int | None, only: str | None = None
 ) -> dict[str, list[RunRecord]]:
     """Write the rows, then run every variant `repeats` times, interleaved."""
-    from align_anything.models import resolve_model_path
+    from align_anything.models.zoo import resolve_model_path
 
     workdir = Path(tempfile.mkdtemp(prefix=f"aa-bench-{setup.task}-"))
     ours_file, trl_file = workdir / "ours.jsonl", workdir / "trl.jsonl"

@@ -7,8 +7,9 @@ from collections import Counter
 from conftest import HH_FILE
 
 from align_anything.data import encode_preference, load_records
-from align_anything.models import load_tokenizer, resolve_model_path
-from align_anything.trainers.base import (
+from align_anything.models.loading import load_tokenizer
+from align_anything.models.zoo import resolve_model_path
+from align_anything.trainers.batching import (
     group_by_length,
     rank_micro_batches,
     row_tokens,

@@ -25,6 +25,7 @@ from align_anything.data import (
     load_records,
     split_records,
 )
+from align_anything.data.formats import check_kind
 from align_anything.errors import ConfigError, DataError, ModelError
 
 # SmolLM2 ChatML ids: <|im_start|>=1, <|im_end|>=2 (also the pad/eos token), "\n"=198.
@@ -190,11 +191,13 @@ def test_no_chat_template_is_a_clear_error(tokenizer, pytestconfig):
         encode_sft([], tokenizer, max_length=64, truncation="truncate_promt")
 
 
-def test_wrong_record_shape_for_the_encoder(tokenizer):
-    with pytest.raises(DataError, match="SFT encoding needs conversation records"):
-        encode_sft([{"prompt": "a", "chosen": "b", "rejected": "c"}], tokenizer, max_length=64)
-    with pytest.raises(DataError, match="preference encoding needs prompt/chosen/rejected"):
-        encode_preference([{"messages": [user("a")]}], tokenizer, max_length=64)
+def test_wrong_record_kind_for_the_task_is_one_clear_error():
+    pair = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    with pytest.raises(DataError, match="task=sft needs conversation data, but p.jsonl holds pref"):
+        check_kind([pair], "conversation", source="p.jsonl", task="sft")
+    with pytest.raises(DataError, match="task=dpo needs preference data, but c.jsonl holds conv"):
+        check_kind([{"messages": [user("a")]}], "preference", source="c.jsonl", task="dpo")
+    check_kind([pair], "preference", source="p.jsonl", task="rm")  # the right kind passes
 
 
 # --------------------------------------------------------------------------- preference

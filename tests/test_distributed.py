@@ -122,7 +122,7 @@ def test_dpo_zero3_export_holds_the_trained_weights(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from align_anything.data import collate_preference, encode_preference, load_records
-    from align_anything.losses import completion_logps
+    from align_anything.forward import completion_logps
 
     run = dpo_two_ranks[("z3", "precompute")].check()
     final = run.output_dir / "final"

@@ -245,7 +245,7 @@ FAILING_SAVE = '''"""Entry point whose second checkpoint write fails like a full
 import errno
 import sys
 
-from align_anything import engine
+from align_anything.backend import engine
 from align_anything.train import main
 
 original = engine.Engine.save_checkpoint

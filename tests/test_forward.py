@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from align_anything.losses import IGNORE_INDEX
-from align_anything.models import resolve_model_path
-from align_anything.trainers.base import completion_forward, supports_logits_to_keep
+from align_anything.data import IGNORE_INDEX
+from align_anything.forward import completion_forward, supports_logits_to_keep
+from align_anything.models.zoo import resolve_model_path
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Project layout rules that keep the pieces in sync (DESIGN §3, STYLE 4 and 6).
 
-- Only `align_anything/engine.py` imports `deepspeed` or `torch.distributed`.
+- Only `align_anything/backend/` imports `deepspeed` or `torch.distributed`.
+- Imports point one way, down the layers of DESIGN.md's reading order, with no cycle.
 - The trainer registry, the task config files and the task sections of the config schema name
   the same tasks.
 - Every shipped DeepSpeed preset is a JSON object without duplicate keys, named ds_<name>_config.json.
@@ -19,7 +20,7 @@ import align_anything
 from align_anything import config as config_module
 
 PACKAGE_DIR = Path(align_anything.__file__).parent
-ENGINE_FILE = PACKAGE_DIR / "engine.py"
+BACKEND_DIR = PACKAGE_DIR / "backend"
 TASK_FILES = sorted((PACKAGE_DIR / "configs" / "task").glob("*.yaml"))
 PRESET_FILES = sorted((PACKAGE_DIR / "configs" / "deepspeed").glob("*.json"))
 
@@ -81,18 +82,123 @@ def test_backend_import_detector(source: str, expected: list[str]) -> None:
     assert backend_imports(source) == expected
 
 
-def test_only_engine_imports_deepspeed_and_torch_distributed() -> None:
+def test_only_the_backend_imports_deepspeed_and_torch_distributed() -> None:
     files = sorted(PACKAGE_DIR.rglob("*.py"))
-    assert ENGINE_FILE in files
+    owners = [path for path in files if BACKEND_DIR in path.parents]
     offenders = {
         str(path.relative_to(PACKAGE_DIR.parent)): imports
         for path in files
-        if path != ENGINE_FILE and (imports := backend_imports(path.read_text()))
+        if path not in owners and (imports := backend_imports(path.read_text()))
     }
-    assert offenders == {}, f"only align_anything/engine.py may import these: {offenders}"
-    # The scan does look at the owner: engine.py imports both.
-    engine_imports = set(backend_imports(ENGINE_FILE.read_text()))
-    assert {"deepspeed", "torch.distributed"} <= engine_imports
+    assert offenders == {}, f"only align_anything/backend/ may import these: {offenders}"
+    # The scan does look at the owners: the backend imports both.
+    found = {name for path in owners for name in backend_imports(path.read_text())}
+    assert {"deepspeed", "torch.distributed"} <= found
+
+
+# The layers, lowest first (DESIGN.md, "Reading order"). A module may import modules of its own
+# group and of lower layers only; groups in one layer may not import each other.
+LAYERS: list[dict[str, tuple[str, ...]]] = [
+    {"base": ("errors", "atomic")},
+    {"config": ("config",)},
+    {"backend": ("backend",), "data": ("data",), "losses": ("losses",)},
+    {"models": ("models",)},
+    {"forward": ("forward",)},
+    {"plan": ("plan",)},
+    {"trainers": ("trainers",)},
+    {"entry": ("train", "tools", "__main__")},
+]
+
+
+def _group_of(module: str) -> tuple[int, str]:
+    """(layer, group) of `align_anything.X…` by its first component X."""
+    first = module.split(".")[1] if "." in module else ""
+    for rank, groups in enumerate(LAYERS):
+        for group, heads in groups.items():
+            if first in heads:
+                return rank, group
+    raise AssertionError(f"{module} belongs to no layer: add it to LAYERS and DESIGN.md")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports() -> dict[str, set[str]]:
+    """Module -> the align_anything modules it imports (at any depth of the file: a function's
+    lazy import counts too)."""
+    modules = {_module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        tree = ast.parse(path.read_text())
+        # Imports for type annotations only (`if TYPE_CHECKING:`) never run: not a dependency.
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+                node.body = []
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pkg import submodule` imports the submodule (and runs the package's
+                # __init__, which the package's own modules may import from: not a cycle).
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                targets = [t for t in subs if t in modules] or [node.module]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                while target not in modules and "." in target:
+                    target = target.rsplit(".", 1)[0]
+                if target in modules and target not in (name, "align_anything"):
+                    found.add(target)
+        graph[name] = found
+    return graph
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in package_imports().items()
+        if module != "align_anything"
+        for target in targets
+        if (a := _group_of(module)) != (b := _group_of(target)) and a[0] <= b[0]
+    )
+    assert upward == [], "imports up (or across) the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle() -> None:
+    graph = package_imports()
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [({"a": {"b"}, "b": {"a"}}, 1), ({"a": {"b"}, "b": set()}, 0)],
+    ids=["cycle", "chain"],
+)
+def test_cycle_detector(graph: dict[str, set[str]], expected: int, monkeypatch) -> None:
+    # The rule above is only as good as its search: it must see a two-module cycle.
+    monkeypatch.setattr(f"{__name__}.package_imports", lambda: graph)
+    if expected:
+        with pytest.raises(AssertionError):
+            test_no_import_cycle()
+    else:
+        test_no_import_cycle()
 
 
 def test_trainer_registry_matches_task_files() -> None:

@@ -20,8 +20,8 @@ from conftest import DPO_ARGS, REPO_ROOT, RM_ARGS, SFT_ARGS, TINY_MODEL, RunResu
 from safetensors.torch import load_file
 
 from align_anything.data import collate_preference, encode_preference, load_records
-from align_anything.models import resolve_model_path
-from align_anything.trainers.base import completion_forward
+from align_anything.forward import completion_forward
+from align_anything.models.zoo import resolve_model_path
 
 # Adapters start at zero; a larger rate than full fine-tuning's moves them visibly in 3 steps.
 LORA = [
@@ -192,7 +192,7 @@ def test_score_takes_the_adapter_folder_of_a_lora_reward_model(
 ) -> None:
     """final/ of a LoRA rm run is an adapter; score applies it to the base model and scores as
     the merged folder does. Content given as text parts scores like the joined text."""
-    from align_anything.score import score_rows
+    from align_anything.tools.score import score_rows
 
     parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
     rows = [{"prompt": "is 3 > 2?", "response": "yes"},

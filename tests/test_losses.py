@@ -14,16 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from align_anything.losses import (
-    DPO_LOSS_TYPES,
-    IGNORE_INDEX,
-    completion_logps,
-    dpo_loss,
-    last_token_index,
-    reward_loss,
-    sft_loss,
-    token_logps,
-)
+from align_anything.data import IGNORE_INDEX
+from align_anything.forward import completion_logps, token_logps
+from align_anything.losses import DPO_LOSS_TYPES, dpo_loss, reward_loss
+from align_anything.models.reward_head import last_real_index
 
 LN2 = 0.6931471805599453
 LN4 = 1.3862943611198906
@@ -181,53 +175,27 @@ def test_token_logps_rejects_misaligned_labels():
 
 
 # ------------------------------------------------------------------------------------------
-# sft_loss
+# SFT: the loss is the negative sum of the scored tokens' log-probs over their count
 # ------------------------------------------------------------------------------------------
 
 
 def test_sft_loss_uniform_logits_is_log_vocab():
     logits = torch.zeros(2, 4, 4)
     labels = torch.tensor([[IGNORE_INDEX, 1, 2, 3], [IGNORE_INDEX, IGNORE_INDEX, 0, IGNORE_INDEX]])
-    # 4 scored tokens, each with NLL ln 4: mean ln 4, sum 4·ln 4.
-    assert sft_loss(logits, labels).item() == approx(LN4)
-    assert sft_loss(logits, labels, num_items=10).item() == approx(4 * LN4 / 10)
-    assert sft_loss(logits, labels, num_items=torch.tensor(8)).item() == approx(LN4 / 2)
-
-
-def test_sft_loss_with_num_items_makes_accumulation_exact():
-    # Two micro-batches with different token counts: the sum of their losses, each divided by
-    # the step's total, equals the token mean of the whole batch; averaging per-micro-batch
-    # means does not.
-    torch.manual_seed(3)
-    logits = torch.randn(2, 6, 5, requires_grad=True)
-    labels = torch.randint(0, 5, (2, 6))
-    labels[0, :5] = IGNORE_INDEX  # 1 scored target (position 5)
-    labels[1, 0] = IGNORE_INDEX  # 5 scored tokens
-    total = 6
-    full = sft_loss(logits, labels)
-    full_grad = torch.autograd.grad(full, logits)[0]
-    accumulated = sum(
-        sft_loss(logits[i : i + 1], labels[i : i + 1], num_items=total) for i in range(2)
-    )
-    accumulated_grad = torch.autograd.grad(accumulated, logits)[0]
-    torch.testing.assert_close(accumulated, full)
-    torch.testing.assert_close(accumulated_grad, full_grad)
-    naive_mean = sum(sft_loss(logits[i : i + 1], labels[i : i + 1]) for i in range(2)) / 2
-    assert not torch.allclose(naive_mean, full)
-    # And it is exactly sum / num_items.
-    summed = -naive_token_logps(logits, labels).sum()
-    assert accumulated.item() == approx(summed.item() / total)
+    sums, counts = completion_logps(logits, labels)
+    # 4 scored tokens, each with NLL ln 4: sum 4·ln 4 (3·ln 4 + 1·ln 4 by row), mean ln 4.
+    assert counts.tolist() == [3, 1]
+    assert (-sums).tolist() == [approx(3 * LN4), approx(LN4)]
+    assert (-sums.sum() / counts.sum()).item() == approx(LN4)
 
 
 def test_sft_loss_without_targets_is_zero_not_nan():
     logits = torch.randn(1, 3, 4, requires_grad=True)
     labels = torch.full((1, 3), IGNORE_INDEX)
-    loss = sft_loss(logits, labels)
-    assert loss.item() == 0.0
-    loss.backward()
+    sums, counts = completion_logps(logits, labels)
+    assert sums.item() == 0.0 and counts.item() == 0
+    (-sums.sum()).backward()
     assert (logits.grad == 0).all()
-    with pytest.raises(ValueError, match="num_items"):
-        sft_loss(logits, labels, num_items=0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -494,15 +462,13 @@ def test_centring_gradient_pulls_rewards_towards_zero():
 
 
 # ------------------------------------------------------------------------------------------
-# last_token_index
+# last_real_index (where a reward head reads its score)
 # ------------------------------------------------------------------------------------------
 
 
-def test_last_token_index_right_and_left_padding():
+def test_last_real_index_right_and_left_padding():
     right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    assert last_token_index(right).tolist() == [2, 4, 0]
+    assert last_real_index(right).tolist() == [2, 4, 0]
     left = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]])
-    assert last_token_index(left).tolist() == [4, 4, 4]
-    assert last_token_index(right.bool()).dtype == torch.long
-    with pytest.raises(ValueError, match=r"rows \[1\]"):
-        last_token_index(torch.tensor([[1, 0], [0, 0]]))
+    assert last_real_index(left).tolist() == [4, 4, 4]
+    assert last_real_index(right.bool()).dtype == torch.long

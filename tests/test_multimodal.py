@@ -19,18 +19,20 @@ import pytest
 import torch
 from conftest import RunResult, launch
 
-from align_anything.data import collate_preference, collate_sft, encode_preference, encode_sft
-from align_anything.data.synthetic import SAMPLING_RATE, make_dataset
-from align_anything.losses import IGNORE_INDEX
-from align_anything.models import resolve_model_path
-from align_anything.multimodal import (
-    MediaSupport,
-    load_multimodal_lm,
-    load_processor,
-    load_reward_model,
+from align_anything.data import (
+    IGNORE_INDEX,
+    collate_preference,
+    collate_sft,
+    encode_preference,
+    encode_sft,
 )
+from align_anything.data.multimodal import MediaSupport
+from align_anything.data.synthetic import SAMPLING_RATE, make_dataset
+from align_anything.forward import completion_forward
+from align_anything.models.loading import load_model, load_processor
+from align_anything.models.zoo import resolve_model_path
 from align_anything.train import main
-from align_anything.trainers.base import completion_forward, step_indices
+from align_anything.trainers.batching import step_indices
 
 # Hub offline, no inherited rank variables (in-process calls; launches set their own env).
 pytestmark = pytest.mark.usefixtures("in_process_offline")
@@ -164,7 +166,9 @@ def test_dummy_media_row_adds_exactly_nothing(modality: str, datasets_dir: dict[
     )
     assert padded["real_rows"] == 2 and padded["input_ids"].shape[0] == 3
     assert (padded["labels"][2] == IGNORE_INDEX).all()
-    model = load_multimodal_lm(resolve_model_path(MODELS[modality]), dtype=torch.float32).eval()
+    model = load_model(
+        resolve_model_path(MODELS[modality]), reward=False, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         expected, expected_counts = completion_forward(model, plain, completion_only=False)
         got, got_counts = completion_forward(model, padded, completion_only=False)
@@ -178,8 +182,8 @@ def test_parameters_the_architecture_freezes_stay_frozen() -> None:
     generation model and in the reward model, or ZeRO-0/2 train it while ZeRO-3 does not."""
     path = resolve_model_path(MODELS["audio"])
     name = "model.audio_tower.embed_positions.weight"
-    lm = load_multimodal_lm(path, dtype=torch.float32)
-    reward = load_reward_model(path, lm.config, dtype=torch.float32)
+    lm = load_model(path, reward=False, dtype=torch.float32)
+    reward = load_model(path, reward=True, dtype=torch.float32)
     for model in (lm, reward):
         frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
         assert frozen == [name], f"{type(model).__name__}: frozen {frozen}"
@@ -189,10 +193,8 @@ def test_reward_reads_the_last_real_token_whatever_the_padding_side() -> None:
     support = _support("image")
     model_path = resolve_model_path(MODELS["image"])
     from PIL import Image
-    from transformers import AutoConfig
 
-    model = load_reward_model(model_path, AutoConfig.from_pretrained(model_path),
-                              dtype=torch.float32).eval()  # fmt: skip
+    model = load_model(model_path, reward=True, dtype=torch.float32).eval()
     text = support.placeholder("image", 16) + "What colour is the shape?"
     ids = support.tokenizer(text, add_special_tokens=False)["input_ids"]
     pixels = support.processor.image_processor(
@@ -388,7 +390,9 @@ def test_image_rm_export_loads_with_from_pretrained(
 ) -> None:
     from transformers import AutoModelForSequenceClassification, AutoProcessor
 
-    import align_anything.multimodal  # noqa: F401  (registers the reward-model classes)
+    from align_anything.models.reward_head import register_builtin_reward_classes
+
+    register_builtin_reward_classes()
 
     run = one_rank[("image", "rm")].check()
     final = run.output_dir / "final"

@@ -24,7 +24,7 @@ from conftest import (
     tail,
 )
 
-from align_anything import export
+from align_anything.tools import export
 from align_anything.train import main
 
 

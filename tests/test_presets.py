@@ -48,8 +48,7 @@ def find_auto(node: Any, path: str = "") -> list[str]:
 
 
 def resolve(preset: dict[str, Any], **overrides: Any) -> tuple[dict[str, Any], Any, str]:
-    from align_anything.backend.ds_config import AdamSettings
-    from align_anything.backend.ds_config import resolve_ds_config
+    from align_anything.backend.ds_config import AdamSettings, resolve_ds_config
 
     kwargs: dict[str, Any] = dict(
         world_size=1,
@@ -61,6 +60,7 @@ def resolve(preset: dict[str, Any], **overrides: Any) -> tuple[dict[str, Any], A
         global_batch="auto",
         max_grad_norm=0.7,
         adam=AdamSettings(3e-4, (0.8, 0.95), 1e-7, 0.01),
+        bf16_supported=False,
         explicit=frozenset(),
     )
     kwargs.update(overrides)
@@ -99,7 +99,7 @@ def test_preset_works_unchanged_in_hf_trainer(
     from transformers import TrainingArguments
 
     from align_anything.backend.ds_config import AdamSettings
-    from align_anything.models import load_config as load_model_config
+    from align_anything.models.loading import load_config as load_model_config
 
     preset = json.loads(preset_file.read_text())
     args = TrainingArguments(
@@ -438,8 +438,8 @@ def _probe_engine(name: str) -> dict[str, Any]:
     from align_anything.backend.ds_config import AdamSettings, resolve_ds_config, zero_stage_of
     from align_anything.backend.engine import Engine
     from align_anything.backend.zero_init import model_init_context
-    from align_anything.models import load_causal_lm, text_hidden_size
-    from align_anything.models import load_config as load_model_config
+    from align_anything.models.loading import load_config as load_model_config
+    from align_anything.models.loading import load_model, text_hidden_size
 
     setup_distributed()
     model_config = load_model_config(TINY_MODEL)
@@ -455,10 +455,11 @@ def _probe_engine(name: str) -> dict[str, Any]:
         global_batch="auto",
         max_grad_norm=1.0,
         adam=AdamSettings(1e-3, (0.9, 0.999), 1e-8, 0.0),
+        bf16_supported=False,
     )
     torch.manual_seed(0)
     with model_init_context(ds_config):
-        model = load_causal_lm(TINY_MODEL, dtype=torch.float32)
+        model = load_model(TINY_MODEL, reward=False, dtype=torch.float32)
     params = list(model.parameters())
     local_numel_loaded = [p.numel() for p in params]
     engine = Engine(

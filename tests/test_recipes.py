@@ -23,7 +23,7 @@ from align_anything.data import (
     load_records,
     split_records,
 )
-from align_anything.losses import completion_logps
+from align_anything.forward import completion_logps
 
 LN2 = math.log(2.0)
 # Frozen values are compared with this relative tolerance: runs on one machine repeat to ~1e-7;

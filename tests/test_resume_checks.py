@@ -14,8 +14,9 @@ import pytest
 import torch
 from conftest import FINISHED_ARGS, RunResult, copy_run, launch, snapshot, tail
 
-from align_anything import checkpoints, engine
+from align_anything.backend import universal
 from align_anything.train import main
+from align_anything.trainers import checkpoints
 
 
 def _break_invalid_state_json(step: Path) -> str:
@@ -152,10 +153,10 @@ def test_checkpoint_files_are_read_without_unpickling(finished_run: RunResult, t
     step3 = finished_run.output_dir / "checkpoints" / "step-3"
     # RNG states are JSON; DeepSpeed's files load through torch's weights-only loader.
     assert sorted(p.name for p in step3.glob("rng_state_rank*")) == ["rng_state_rank0.json"]
-    state = engine.load_deepspeed_file(step3 / "deepspeed" / "mp_rank_00_model_states.pt")
+    state = universal.load_deepspeed_file(step3 / "deepspeed" / "mp_rank_00_model_states.pt")
     assert "module" in state
     # A file that pickles anything else is refused instead of run.
     hostile = tmp_path / "hostile.pt"
     torch.save({"payload": shutil.rmtree}, hostile)
     with pytest.raises(Exception, match="Weights only load failed"):
-        engine.load_deepspeed_file(hostile)
+        universal.load_deepspeed_file(hostile)

@@ -7,13 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from align_anything.data import collate_preference
-from align_anything.models import resolve_model_path
-from align_anything.shared_prompt import (
-    collate_shared_prompt,
-    shared_prefix_logps,
-    supports_shared_prompt,
-)
-from align_anything.trainers.base import completion_forward
+from align_anything.data.layouts import collate_shared_prompt, supports_shared_prompt
+from align_anything.forward import completion_forward, shared_prefix_logps
+from align_anything.models.zoo import resolve_model_path
 
 # Three pairs of different prompt and answer lengths (ids from the tiny vocabulary), so that
 # rows are padded differently in the two layouts.
@@ -82,9 +78,8 @@ def test_shared_prompt_layout() -> None:
 def test_shared_sft_prefix_equals_plain_rows() -> None:
     """An SFT micro-batch as one row (common unscored prefix once) gives the plain path's
     per-row sums, counts and gradients."""
-    from align_anything.data import collate_sft
-    from align_anything.losses import IGNORE_INDEX
-    from align_anything.shared_prompt import collate_shared_sft, common_unscored_prefix
+    from align_anything.data import IGNORE_INDEX, collate_sft
+    from align_anything.data.layouts import collate_shared_sft, common_unscored_prefix
 
     ignore = IGNORE_INDEX
     rows = [  # common prefix [5, 6, 7]; scored tokens start after it

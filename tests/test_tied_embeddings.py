@@ -11,10 +11,10 @@ from conftest import SFT_ARGS, RunResult, launch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from align_anything.losses import IGNORE_INDEX
-from align_anything.models import resolve_model_path
-from align_anything.tied_embeddings import accumulate_in_place, tied_weight
-from align_anything.trainers.base import completion_forward
+from align_anything.data import IGNORE_INDEX
+from align_anything.forward import completion_forward
+from align_anything.models.tied_embeddings import accumulate_in_place, tied_weight
+from align_anything.models.zoo import resolve_model_path
 
 
 def _tiny() -> torch.nn.Module:

@@ -90,6 +90,18 @@ class WeightEMA:
                 {k: v.cpu().contiguous() for k, v in self.average.items()}, directory / EMA_FILE
             )
 
+    def describe(self, restored: bool | None) -> str:
+        """The start-up summary's line; `restored`: None for a fresh run, else whether the
+        resumed checkpoint held an average."""
+        where = "on the device" if self.device.type != "cpu" else "in host memory"
+        note = {None: "", True: ", restored from the checkpoint"}.get(
+            restored, ", started from the checkpoint's weights (it holds no average)"
+        )
+        return (
+            f"decay {self.decay} over {len(self.params)} trained tensors, fp32 {where} of rank "
+            f"0{note}; exported to final-ema"
+        )
+
     def load(self, directory: Path) -> bool:
         """Restore the average from a checkpoint (rank 0); False when it holds none."""
         from safetensors.torch import load_file

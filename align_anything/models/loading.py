@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from align_anything.errors import ModelError, did_you_mean
+from align_anything.errors import ConfigError, ModelError, did_you_mean
 from align_anything.models.zoo import BUILTIN_MODELS, resolve_model_path
 
 
@@ -241,3 +241,16 @@ def count_parameters(model: Any) -> tuple[int, int]:
         else:
             frozen += full_numel(param)
     return trainable, frozen
+
+
+def enable_gradient_checkpointing(model: Any, name: str) -> None:
+    """transformers' activation checkpointing, non-reentrant (works with frozen inputs, so with
+    LoRA and frozen parts, and under ZeRO-3); a clear error for a model without support."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(
+            f"train.gradient_checkpointing=true: {type(model).__name__} ({name}) does not "
+            "support gradient checkpointing in transformers; set "
+            "train.gradient_checkpointing=false (and lower train.per_device_batch_size or "
+            "data.max_length if memory is short)"
+        )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -11,16 +11,12 @@ step), `checkpoints` (the store, RNG state, resume checks), `output_dir` (lock a
 from __future__ import annotations
 
 import math
-import random
-import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-import numpy as np
 import torch
 
 from align_anything import atomic, forward, plan
@@ -30,59 +26,37 @@ from align_anything.backend import memory, universal
 from align_anything.backend.engine import Engine
 from align_anything.backend.zero_init import model_init_context
 from align_anything.config import AUTO_PRESET, RunConfig
-from align_anything.data import DataReport, load_records, split_records
-from align_anything.data.formats import check_kind
-from align_anything.data.multimodal import MediaSupport, has_media
+from align_anything.data import DataReport, splits
+from align_anything.data.multimodal import MediaSupport
 from align_anything.errors import (
-    CheckpointError,
-    CheckpointWriteError,
     ConfigError,
     Preempted,
     UserError,
 )
 from align_anything.models import loading as model_loading
-from align_anything.models import lora, parts, tied_embeddings, zoo
+from align_anything.models import lora, tied_embeddings, zoo
 from align_anything.models.ema import WeightEMA
+from align_anything.models.prepare import prepare_for_training
 from align_anything.trainers import checkpoints, report
 from align_anything.trainers import output_dir as outdir
 from align_anything.trainers.batching import (
-    group_by_length,
-    rank_micro_batches,
+    plan_steps,
+    rank_step_rows,
     row_tokens,
     shard_chunks,
     step_indices,
 )
 from align_anything.trainers.preemption import StopRequest
-from align_anything.trainers.tracking import MetricsLogger, MetricWindow, Progress, check_backends
+from align_anything.trainers.tracking import (
+    MetricsLogger,
+    MetricWindow,
+    Progress,
+    StepResult,
+    check_backends,
+    quiet_library_progress_bars,
+)
 
 T = TypeVar("T")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def quiet_library_progress_bars() -> None:
-    """Our progress display is the only one: transformers' per-load bars and datasets' split
-    bars would otherwise print once per rank."""
-    import datasets
-    from transformers.utils import logging as hf_logging
-
-    datasets.disable_progress_bars()
-    hf_logging.disable_progress_bar()
-
-
-@dataclass
-class StepResult:
-    """One optimizer step, summed over every rank: metric sums, items, tokens, rate, norm."""
-
-    sums: dict[str, float]
-    items: float
-    tokens: float
-    learning_rate: float
-    grad_norm: float | None
 
 
 class Trainer:
@@ -204,22 +178,16 @@ class Trainer:
         quiet_library_progress_bars()
         # Distributed first: ranks decide data shards, and ZeRO-3 model construction needs it.
         self.dist = comm.setup_distributed()
-        seed_everything(self.cfg.train.seed)
+        checkpoints.seed_everything(self.cfg.train.seed)
         self._lock = outdir.Lock(self.output_dir)
-
-        def claim() -> tuple[str, str | None]:
-            notes: list[str] = []  # printed even when the claim is refused
-            try:
-                run_id, resume = outdir.claim(
-                    self.output_dir, self._lock, resume=self.cfg.resume,
-                    overwrite=self.cfg.overwrite_output_dir, notes=notes,
-                )  # fmt: skip
-            finally:
-                for note in notes:
-                    print(f"note: {note}", flush=True)
-            return run_id, str(resume) if resume else None
-
-        self.run_id, resume = self._on_main(claim)
+        self.run_id, resume = self._on_main(
+            lambda: outdir.claim(
+                self.output_dir,
+                self._lock,
+                resume=self.cfg.resume,
+                overwrite=self.cfg.overwrite_output_dir,
+            )
+        )
         self.resume_dir = Path(resume) if resume else None
 
     def _load_tokenizer(self) -> None:
@@ -243,24 +211,15 @@ class Trainer:
         """Load, check, split and encode the data (before any weights: a bad dataset fails in
         seconds, not after a model load)."""
         cfg = self.cfg.data
-        records, load_report = self._load(cfg.path)
-        if cfg.eval_path:
-            eval_records, _ = self._load(cfg.eval_path)
-            train_records = records
-        elif cfg.eval_fraction > 0:
-            train_records, eval_records = split_records(
-                records, eval_fraction=cfg.eval_fraction, seed=self.cfg.train.seed
-            )
-        else:
-            train_records, eval_records = records, []
-        self.eval_records = eval_records[: cfg.max_eval_samples or None]
-        self.train_rows, train_report = self._encode(
-            train_records[: cfg.max_train_samples or None], "train"
-        )
-        self.eval_rows, eval_report = (
-            self._encode(self.eval_records, "eval") if self.eval_records else ([], None)
-        )
-        self.data_reports = [r for r in (load_report, train_report, eval_report) if r is not None]
+        train, self.eval_records, found = splits.train_and_eval(
+            cfg.path, cfg.eval_path, eval_fraction=cfg.eval_fraction, seed=self.cfg.train.seed,
+            max_train=cfg.max_train_samples, max_eval=cfg.max_eval_samples, fmt=cfg.format,
+            columns=cfg.columns, kind=self.record_kind, task=self.task, media=self.media,
+            model_name=self.cfg.model.name_or_path,
+        )  # fmt: skip
+        self.data_reports = [found]
+        self.train_rows = self._encode(train, "train")
+        self.eval_rows = self._encode(self.eval_records, "eval") if self.eval_records else []
         if not self.train_rows:
             raise UserError(
                 f"no usable training rows in {cfg.path}:\n"
@@ -270,28 +229,13 @@ class Trainer:
         # Hashed now, as encoded: trainers may add to the rows later (DPO reference log-probs).
         self.fingerprints = checkpoints.fingerprints(self.tokenizer, self.train_rows, cfg.path)
 
-    def _load(self, source: str) -> tuple[list[dict], DataReport]:
-        """Records of one source, checked for the task's kind; media checked and their
-        placeholders written in before any split, so problems carry the file's row numbers."""
-        cfg = self.cfg.data
-        records, load_report = load_records(source, format=cfg.format, columns=cfg.columns)
-        check_kind(records, self.record_kind, source=source, task=self.task)
-        if self.media is not None:
-            records = self.media.prepare(records, data_path=source)
-        elif has_media(records):
-            raise UserError(
-                f"{source} has images or audio, but model {self.cfg.model.name_or_path} is a "
-                "text-only model. Use an image-text or audio-text model (e.g. "
-                "model.name_or_path=tiny-random-llava), or data without media."
-            )
-        return records, load_report
-
-    def _encode(self, records: list[dict], split: str) -> tuple[list[dict], DataReport]:
+    def _encode(self, records: list[dict], split: str) -> list[dict]:
         rows, found = self.encode(records, split=split)
         if self.media is not None:
             rows = self.media.drop_cut_rows(rows, found)
         found.source = f"{split} split, {found.source}"
-        return rows, found
+        self.data_reports.append(found)
+        return rows
 
     def _plan_run(self) -> None:
         """The DeepSpeed plan (config, batch plan, precision: `plan.resolve_deepspeed`), the
@@ -310,26 +254,26 @@ class Trainer:
             auto_choice=auto, resume=(self.resume_dir, state) if state is not None else None,
         )  # fmt: skip
         self._plan_steps()
-        if state is not None:
-            self._check_resume(state)
-            if self.deepspeed.universal:
-                universal.convert_to_universal(self.resume_dir)
+        if state is None:
+            return
+        for warning in checkpoints.check_resume(
+            self.resume_dir, state, now={"model": cfg.model.name_or_path, **self.fingerprints},
+            global_batch=self.batch_plan.global_batch,
+            allow_mismatch=cfg.checkpoint.allow_mismatch,
+        ):  # fmt: skip
+            if self.dist.is_main:
+                print(warning, flush=True)
+        note = checkpoints.schedule_note(self.resume_dir.name, state, self._schedule())
+        self.summary_lines += [f"  schedule        {note}"] if note else []
+        if self.deepspeed.universal:
+            universal.convert_to_universal(self.resume_dir)
 
     def _plan_steps(self) -> None:
-        batch = self.batch_plan
-        n = len(self.train_rows)
-        self.steps_per_epoch = n // batch.global_batch
-        if self.steps_per_epoch == 0:
-            raise ConfigError(
-                f"the training set has {n} usable rows, fewer than one global batch "
-                f"({batch.describe()}): lower train.per_device_batch_size or "
-                "train.gradient_accumulation_steps, or add data"
-            )
-        max_steps = self.cfg.train.max_steps
-        self.total_steps = (
-            max_steps if max_steps > 0 else self.steps_per_epoch * self.cfg.train.epochs
-        )
-        self.warmup_steps = math.ceil(self.cfg.train.warmup_ratio * self.total_steps)
+        train = self.cfg.train
+        self.steps_per_epoch, self.total_steps, self.warmup_steps = plan_steps(
+            len(self.train_rows), self.batch_plan, max_steps=train.max_steps,
+            epochs=train.epochs, warmup_ratio=train.warmup_ratio,
+        )  # fmt: skip
 
     def _schedule(self) -> dict[str, Any]:
         """This run's schedule, as trainer_state.json records it."""
@@ -339,24 +283,6 @@ class Trainer:
             "lr_scheduler": train.lr_scheduler, "warmup_steps": self.warmup_steps,
         }  # fmt: skip
 
-    def _check_resume(self, state: dict[str, Any]) -> None:
-        folder = self.resume_dir
-        assert folder is not None
-        for warning in checkpoints.check_resume(
-            folder, state, now={"model": self.cfg.model.name_or_path, **self.fingerprints},
-            global_batch=self.batch_plan.global_batch,
-            allow_mismatch=self.cfg.checkpoint.allow_mismatch,
-        ):  # fmt: skip
-            if self.dist.is_main:
-                print(warning, flush=True)
-        changed = checkpoints.schedule_changes(state, self._schedule())
-        if changed:
-            self.summary_lines.append(
-                f"  schedule        changed since {folder.name}: {'; '.join(changed)}. The "
-                f"learning-rate schedule is rebuilt for {self.total_steps} steps and continues "
-                f"at step {state.get('step')} of it"
-            )
-
     def _build_engine(self) -> None:
         """The model (ZeRO-3: partitioned as it loads), its trained parts, the engine."""
         cfg = self.cfg
@@ -364,19 +290,12 @@ class Trainer:
         self.memory_before_model = memory.peak_memory_bytes()
         with model_init_context(self.ds_config):
             model = self.build_model()
-        if cfg.train.gradient_checkpointing:
-            self._enable_gradient_checkpointing(model)
-        # Before the engine: DeepSpeed partitions and builds optimizer state for trainable ones.
-        parts.freeze_parts(model, cfg.model.freeze, model_name=cfg.model.name_or_path)
-        if cfg.model.lora.enabled:
-            # After the base is built (and, under ZeRO-3, partitioned): DeepSpeed partitions
-            # the new adapter parameters when the engine wraps the model.
-            adapters = cfg.model.lora
-            model = lora.add_adapters(
-                model, r=adapters.r, alpha=adapters.alpha, dropout=adapters.dropout,
-                target_modules=adapters.target_modules, sequence_classification=self.task == "rm",
-            )  # fmt: skip
-            self.summary_lines.append(f"  adapters        {lora.adapter_summary(model)}")
+        model, lines = prepare_for_training(
+            model, name=cfg.model.name_or_path, freeze=cfg.model.freeze,
+            adapters=cfg.model.lora.adapters(), reward=self.task == "rm",
+            gradient_checkpointing=cfg.train.gradient_checkpointing,
+        )  # fmt: skip
+        self.summary_lines += lines
         train = cfg.train
         self.engine = Engine(
             model, self.ds_config,
@@ -397,45 +316,19 @@ class Trainer:
         )
         self.after_engine()
 
-    def _enable_gradient_checkpointing(self, model: torch.nn.Module) -> None:
-        """transformers' activation checkpointing, non-reentrant (works with frozen inputs, so
-        with LoRA and frozen parts, and under ZeRO-3)."""
-        if not getattr(model, "supports_gradient_checkpointing", False):
-            raise ConfigError(
-                f"train.gradient_checkpointing=true: {type(model).__name__} "
-                f"({self.cfg.model.name_or_path}) does not support gradient checkpointing in "
-                "transformers; set train.gradient_checkpointing=false (and lower "
-                "train.per_device_batch_size or data.max_length if memory is short)"
-            )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.summary_lines.append(
-            "  checkpointing   each layer's activations recomputed in the backward pass "
-            "(train.gradient_checkpointing)"
-        )
-
     def _restore(self) -> None:
         """A resumed run's checkpoint; the weight average (from the checkpoint when it has one)."""
         if self.resume_dir is not None:
-            self._load_checkpoint(self.resume_dir)
+            self.step = checkpoints.load(self.resume_dir, engine=self.engine, rank=self.dist.rank)
         self.ema: WeightEMA | None = None
-        ema_cfg = self.cfg.train.ema
-        if not ema_cfg.enabled:
-            return
-        self.ema = WeightEMA(
-            self.engine, decay=ema_cfg.decay, on_device=ema_cfg.device == "device",
-            is_main=self.dist.is_main,
-        )  # fmt: skip
-        where = "on the device" if ema_cfg.device == "device" else "in host memory"
-        note = ""
-        if self.resume_dir is not None:
-            restored = self.ema.load(self.resume_dir)
-            note = ", restored from the checkpoint" if restored else (
-                ", started from the checkpoint's weights (it holds no average)"
+        ema = self.cfg.train.ema
+        if ema.enabled:
+            self.ema = WeightEMA(
+                self.engine, decay=ema.decay, on_device=ema.device == "device",
+                is_main=self.dist.is_main,
             )  # fmt: skip
-        self.summary_lines.append(
-            f"  ema             decay {ema_cfg.decay} over {len(self.ema.params)} trained "
-            f"tensors, fp32 {where} of rank 0{note}; exported to final-ema"
-        )
+            restored = self.ema.load(self.resume_dir) if self.resume_dir is not None else None
+            self.summary_lines.append(f"  ema             {self.ema.describe(restored)}")
 
     def _start_logging(self) -> None:
         """Metrics sinks, the resolved configs, run.json and the start-up summary (rank 0)."""
@@ -448,7 +341,8 @@ class Trainer:
             run_name=cfg.logging.run_name, config=cfg.to_dict(),
             resume=self.resume_dir is not None,
         )  # fmt: skip
-        self._write_resolved_config(self.output_dir)
+        for name, data in self._configs().items():
+            (self.output_dir / name).write_text(atomic.to_json(data))
         outdir.write_run(
             self.output_dir, run_id=self.run_id, task=self.task, status="running",
             step=self.step, started=time.time(),
@@ -457,9 +351,9 @@ class Trainer:
         self._run_file_written = True
         print(report.startup_summary(self), flush=True)
 
-    def _write_resolved_config(self, directory: Path) -> None:
-        (directory / "run_config.json").write_text(atomic.to_json(self.cfg.to_dict()))
-        (directory / "ds_config.json").write_text(atomic.to_json(self.ds_config))
+    def _configs(self) -> dict[str, Any]:
+        """The resolved run and DeepSpeed configs, as saved beside every checkpoint and model."""
+        return {"run_config.json": self.cfg.to_dict(), "ds_config.json": self.ds_config}
 
     def collate_with_media(self, rows: list[dict]) -> dict[str, Any]:
         """The trainer's batch, plus decoded media for multimodal models."""
@@ -472,19 +366,10 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def _micro_batches_for_step(self, step: int) -> list[dict[str, torch.Tensor]]:
-        batch = self.batch_plan
-        epoch, in_epoch = divmod(step, self.steps_per_epoch)
-        indices = step_indices(
-            len(self.train_rows), global_batch=batch.global_batch, seed=self.cfg.train.seed,
-            epoch=epoch, step=in_epoch,
-        )  # fmt: skip
-        if self.cfg.train.group_by_length and batch.grad_accum > 1:
-            # Without accumulation each rank pads only within its one micro-batch already, and
-            # sorting would only hand rank 0 all the longest rows.
-            indices = group_by_length(indices, self._row_lengths)
-        slices = rank_micro_batches(
-            indices, micro=batch.micro_batch, accum=batch.grad_accum, world=batch.world_size,
-            rank=self.dist.rank,
+        slices = rank_step_rows(
+            step, len(self.train_rows), self.batch_plan, rank=self.dist.rank,
+            seed=self.cfg.train.seed, steps_per_epoch=self.steps_per_epoch,
+            lengths=self._row_lengths if self.cfg.train.group_by_length else None,
         )  # fmt: skip
         return [
             self._to_device(self.collate_with_media([self.train_rows[i] for i in s]))
@@ -601,31 +486,18 @@ class Trainer:
         return int(flag.item())
 
     def _stop_on_nonfinite(self, keys: list[str], values: list[float]) -> None:
-        """Stop the run on a non-finite loss (before its update) or gradient norm (after the
-        update, but before any checkpoint could store it), naming the step and its rows."""
+        """Stop on a non-finite loss (before its update) or gradient norm (after the update,
+        before any checkpoint could store it), naming the step and its rows."""
         before_update = keys != ["grad_norm"]
         step = self.step + 1 if before_update else self.step
-        bad = ", ".join(
-            f"{k}={v}" for k, v in zip(keys, values, strict=True) if not math.isfinite(v)
-        )
         epoch, in_epoch = divmod(step - 1, self.steps_per_epoch)
         rows = step_indices(
             len(self.train_rows), global_batch=self.batch_plan.global_batch,
             seed=self.cfg.train.seed, epoch=epoch, step=in_epoch,
         )  # fmt: skip
-        shown = ", ".join(map(str, rows[:16])) + (", …" if len(rows) > 16 else "")
-        good = self._last_good_checkpoint()
-        last = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
-        applied = (
-            "its update was not applied"
-            if before_update
-            else "its update was applied in memory only: no checkpoint holds it"
-        )
+        good = checkpoints.last_complete(self.output_dir / "checkpoints", self.run_id)
         raise UserError(
-            f"non-finite training {'metric' if before_update else 'gradient norm'} at step "
-            f"{step} (epoch {epoch}, {bad}); stopping: {applied}, and {last}. The step's global "
-            f"batch holds training rows [{shown}] (indices into the encoded train split). Lower "
-            "train.learning_rate, or check those rows."
+            report.nonfinite(keys, values, step=step, epoch=epoch, rows=rows, good=good)
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -683,77 +555,19 @@ class Trainer:
     def _checkpoint_path(self, step: int) -> Path:
         return self.output_dir / "checkpoints" / checkpoints.folder_name(step)
 
-    def _last_good_checkpoint(self) -> Path | None:
-        """This run's newest checkpoint with a manifest (not re-verified: for messages)."""
-        ours = [
-            p for p in checkpoints.listed(self.output_dir / "checkpoints")
-            if checkpoints.run_id_of(p) == self.run_id and (p / checkpoints.MANIFEST).is_file()
-        ]  # fmt: skip
-        return ours[-1] if ours else None
-
     def save_checkpoint(self) -> Path:
-        """Write `checkpoints/step-N` under a temporary name, its manifest last, rename when
-        complete, then prune this run's old ones: a crash mid-save never damages the last good
-        checkpoint. A failed write (disk full, unwritable folder) stops the run with a
-        UserError naming the file; on several ranks the failing rank exits and the launcher
-        ends the others."""
-        final = self._checkpoint_path(self.step)
-        tmp = atomic.temporary_sibling(final)
-        try:
-            self._write_checkpoint(tmp, final)
-        except OSError as err:
-            shutil.rmtree(tmp, ignore_errors=True)  # give back whatever space it took
-            good = self._last_good_checkpoint()
-            kept = f"the previous checkpoint {good} is intact" if good else "no earlier checkpoint"
-            raise CheckpointWriteError(
-                f"could not write checkpoint {final.name} (step {self.step}): {err.strerror or err}"
-                f"{f' ({err.filename})' if err.filename else ''}; {kept}. Free space or make "
-                f"{final.parent} writable, then run again with resume=auto."
-            ) from None
-        if self.dist.is_main:  # only once the new one is complete
-            checkpoints.prune(
-                final.parent, run_id=self.run_id, keep_last=self.cfg.checkpoint.keep_last
-            )
-        comm.barrier()
-        return final
-
-    def _write_checkpoint(self, tmp: Path, final: Path) -> None:
-        if self.dist.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        comm.barrier()
-        self.engine.save_checkpoint(tmp, client_state={"step": self.step})
-        checkpoints.write_rng_state(tmp, self.dist.rank)
-        if self.ema is not None:
-            self.ema.save(tmp)
-        comm.barrier()
-        if not self.dist.is_main:
-            return
-        self._write_resolved_config(tmp)
+        """`checkpoints/step-N`, complete or not at all (see `checkpoints.save`)."""
         state = {
             "run_id": self.run_id, "step": self.step, "epoch": self.step / self.steps_per_epoch,
             **self._schedule(), "global_batch": self.batch_plan.global_batch,
             "world_size": self.dist.world_size, "zero_stage": self.engine.zero_stage,
             "task": self.task, "model": self.cfg.model.name_or_path, **self.fingerprints,
         }  # fmt: skip
-        (tmp / checkpoints.STATE).write_text(atomic.to_json(state))
-        checkpoints.write_manifest(tmp, run_id=self.run_id, step=self.step)  # last
-        atomic.publish(tmp, final)
-
-    def _load_checkpoint(self, directory: Path) -> None:
-        state = checkpoints.read_json(directory / checkpoints.STATE)
-        try:
-            self.engine.load_checkpoint(directory)
-        except UserError:
-            raise
-        except Exception as err:  # noqa: BLE001 - DeepSpeed's loader raises anything
-            raise CheckpointError(
-                f"could not load checkpoint {directory}: {type(err).__name__}: {err}. Resume "
-                "from an earlier checkpoint (resume=PATH), or start over."
-            ) from None
-        self.step = int(state["step"])
-        # A checkpoint of another world size may have no file for this rank: fresh RNG then.
-        checkpoints.restore_rng_state(directory, self.dist.rank)
+        return checkpoints.save(
+            self._checkpoint_path(self.step), engine=self.engine, ema=self.ema,
+            rank=self.dist.rank, is_main=self.dist.is_main, state=state,
+            configs=self._configs(), keep_last=self.cfg.checkpoint.keep_last,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ export and end
 
@@ -765,27 +579,19 @@ class Trainer:
         state = self.engine.full_state_dict()
         final = self.output_dir / "final"
         if self.dist.is_main:
-            self._write_final(final, state)
+            saved = {"tokenizer": self.processor or self.tokenizer, "configs": self._configs()}
+            checkpoints.write_final(final, self.export_module(), state, **saved)
             if self.ema is not None:
-                self._write_final(self.output_dir / "final-ema", self.ema.state_dict(state))
+                checkpoints.write_final(
+                    self.output_dir / "final-ema", self.export_module(),
+                    self.ema.state_dict(state), **saved,
+                )  # fmt: skip
             if self.cfg.model.lora.enabled and self.cfg.model.lora.save_merged:
                 lora.merge_adapter_folder(
                     final, self.model_path, self.output_dir / "final-merged", task=self.task
                 )
         comm.barrier()
         return final
-
-    def _write_final(self, final: Path, state: dict[str, torch.Tensor] | None) -> None:
-        """Write a Hugging Face folder from a full state dict (rank 0): the model (or, for a
-        LoRA run, the adapter) as safetensors, the tokenizer and the resolved config."""
-        module = self.export_module()
-        with atomic.folder(final) as tmp:
-            if lora.is_peft_model(module):
-                lora.save_adapter(module, state, tmp)
-            else:
-                module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            (self.processor or self.tokenizer).save_pretrained(tmp)
-            self._write_resolved_config(tmp)
 
     def cleanup(self, status: str = "failed") -> None:
         """Close sinks, print the summary (after a finished run), record the run's `status`
@@ -803,11 +609,7 @@ class Trainer:
                     self.output_dir / "summary.json", atomic.to_json(report.summary_data(self))
                 )
             if getattr(self, "_run_file_written", False):
-                final = self.output_dir / "final"
-                outdir.write_run(
-                    self.output_dir, status=status, step=self.step,
-                    final_step=self.step if status == "complete" and final.is_dir() else None,
-                )  # fmt: skip
+                outdir.finish_run(self.output_dir, status=status, step=self.step)
         lock = getattr(self, "_lock", None)
         if lock is not None:
             lock.release()

@@ -58,3 +58,41 @@ def shard_chunks(
     per_rank = math.ceil(num_items / world)
     for start in range(0, per_rank, chunk):
         yield mine[start : start + chunk] or None
+
+
+def plan_steps(
+    num_rows: int, batch: Any, *, max_steps: int, epochs: int, warmup_ratio: float
+) -> tuple[int, int, int]:
+    """(steps per epoch, total steps, warmup steps) of a run over `num_rows` rows in global
+    batches of `batch.global_batch` (`max_steps` > 0 overrides `epochs`)."""
+    from align_anything.errors import ConfigError
+
+    per_epoch = num_rows // batch.global_batch
+    if per_epoch == 0:
+        raise ConfigError(
+            f"the training set has {num_rows} usable rows, fewer than one global batch "
+            f"({batch.describe()}): lower train.per_device_batch_size or "
+            "train.gradient_accumulation_steps, or add data"
+        )
+    total = max_steps if max_steps > 0 else per_epoch * epochs
+    return per_epoch, total, math.ceil(warmup_ratio * total)
+
+
+def rank_step_rows(
+    step: int, num_rows: int, batch: Any, *, rank: int, seed: int, steps_per_epoch: int,
+    lengths: list[int] | None = None,
+) -> list[list[int]]:  # fmt: skip
+    """This rank's micro-batches (row indices) of optimizer step `step`. With `lengths` and
+    gradient accumulation, the step's rows go into micro-batches longest first (the same rows,
+    less padding); without accumulation each rank pads only within its one micro-batch, and
+    sorting would only hand rank 0 all the longest rows."""
+    epoch, in_epoch = divmod(step, steps_per_epoch)
+    indices = step_indices(
+        num_rows, global_batch=batch.global_batch, seed=seed, epoch=epoch, step=in_epoch
+    )
+    if lengths is not None and batch.grad_accum > 1:
+        indices = group_by_length(indices, lengths)
+    return rank_micro_batches(
+        indices, micro=batch.micro_batch, accum=batch.grad_accum, world=batch.world_size,
+        rank=rank,
+    )  # fmt: skip

@@ -1,5 +1,5 @@
-"""The checkpoint store of one run (`output_dir/checkpoints/step-N/`), RNG state, and the
-checks a resumed run passes.
+"""The checkpoint store of one run (`output_dir/checkpoints/step-N/`): writing and loading
+checkpoints, RNG state, the checks a resumed run passes, and the final Hugging Face folder.
 
 A checkpoint belongs to a run (the run id in its `trainer_state.json`) and is complete only
 when its `manifest.json`, written last, lists every file it holds with its size and xxh3-64
@@ -30,7 +30,10 @@ import numpy as np
 import torch
 import xxhash
 
-from align_anything.errors import ConfigError
+from align_anything import atomic
+from align_anything.backend import distributed as comm
+from align_anything.errors import CheckpointError, CheckpointWriteError, ConfigError, UserError
+from align_anything.models import lora
 
 PREFIX = "step-"
 MANIFEST = "manifest.json"
@@ -169,6 +172,12 @@ def prune(root: Path, *, run_id: str, keep_last: int) -> list[Path]:
 # ---------------------------------------------------------------------------- RNG state
 
 
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
 def _jsonable(value: Any) -> Any:
     """An RNG state as JSON data (tuples and arrays become lists)."""
     if isinstance(value, (tuple, list)):
@@ -272,10 +281,103 @@ SCHEDULE_KEYS = {
 }
 
 
-def schedule_changes(state: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """How this run's schedule differs from the checkpoint's (`now` has SCHEDULE_KEYS)."""
-    return [
+def schedule_note(name: str, state: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """How this run's schedule (`now`, with SCHEDULE_KEYS) differs from the one checkpoint
+    `name` was written under, and what happens: the schedule is rebuilt for the new length
+    and continues at the checkpoint's step. None when nothing changed."""
+    changed = [
         f"{label} {state.get(key)!r} -> {now[key]!r}"
         for key, label in SCHEDULE_KEYS.items()
         if state.get(key) != now[key]
     ]
+    if not changed:
+        return None
+    return (
+        f"changed since {name}: {'; '.join(changed)}. The learning-rate schedule is rebuilt "
+        f"for {now['total_steps']} steps and continues at step {state.get('step')} of it"
+    )
+
+
+# ---------------------------------------------------------------------------- write, load
+
+
+def last_complete(root: Path, run_id: str) -> Path | None:
+    """Run `run_id`'s newest checkpoint with a manifest (not re-verified: for messages)."""
+    ours = [p for p in listed(root) if run_id_of(p) == run_id and (p / MANIFEST).is_file()]
+    return ours[-1] if ours else None
+
+
+def save(
+    folder: Path, *, engine: Any, ema: Any, rank: int, is_main: bool, state: dict[str, Any],
+    configs: dict[str, Any], keep_last: int,
+) -> Path:  # fmt: skip
+    """Write checkpoint `folder` (…/step-N) under a temporary name: the DeepSpeed state of every
+    rank, each rank's RNG state, the weight average, then (rank 0) `configs` (file name →
+    JSON data), the trainer `state` and, last, the manifest; rename it when complete, then
+    prune the run's older checkpoints. A crash mid-save never damages the last good
+    checkpoint. A failed write (disk full, unwritable folder) removes the partial folder and
+    raises CheckpointWriteError naming the file; on several ranks the failing rank exits and
+    the launcher ends the others. Collective: call on every rank."""
+    tmp = atomic.temporary_sibling(folder)
+    run_id = state["run_id"]
+    try:
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        comm.barrier()
+        engine.save_checkpoint(tmp, client_state={"step": state["step"]})
+        write_rng_state(tmp, rank)
+        if ema is not None:
+            ema.save(tmp)
+        comm.barrier()
+        if is_main:
+            for name, data in {**configs, STATE: state}.items():
+                (tmp / name).write_text(atomic.to_json(data))
+            write_manifest(tmp, run_id=run_id, step=state["step"])  # last
+            atomic.publish(tmp, folder)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # give back whatever space it took
+        good = last_complete(folder.parent, run_id)
+        kept = f"the previous checkpoint {good} is intact" if good else "no earlier checkpoint"
+        raise CheckpointWriteError(
+            f"could not write checkpoint {folder.name} (step {state['step']}): "
+            f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}; {kept}. Free "
+            f"space or make {folder.parent} writable, then run again with resume=auto."
+        ) from None
+    if is_main:  # only once the new one is complete
+        prune(folder.parent, run_id=run_id, keep_last=keep_last)
+    comm.barrier()
+    return folder
+
+
+def load(folder: Path, *, engine: Any, rank: int) -> int:
+    """Load checkpoint `folder` into `engine` and this rank's RNG state; returns its step.
+    A checkpoint of another world size may hold no RNG file for this rank: fresh RNG then."""
+    state = read_json(folder / STATE)
+    try:
+        engine.load_checkpoint(folder)
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - DeepSpeed's loader raises anything
+        raise CheckpointError(
+            f"could not load checkpoint {folder}: {type(err).__name__}: {err}. Resume from an "
+            "earlier checkpoint (resume=PATH), or start over."
+        ) from None
+    restore_rng_state(folder, rank)
+    return int(state["step"])
+
+
+def write_final(
+    folder: Path, module: Any, state: dict[str, torch.Tensor] | None, *, tokenizer: Any,
+    configs: dict[str, Any],
+) -> None:  # fmt: skip
+    """A Hugging Face folder from a full state dict (rank 0): the model (or, for a LoRA model,
+    the adapter) as safetensors, the tokenizer or processor, and `configs` (name → JSON)."""
+    with atomic.folder(folder) as tmp:
+        if lora.is_peft_model(module):
+            lora.save_adapter(module, state, tmp)
+        else:
+            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        for name, data in configs.items():
+            (tmp / name).write_text(atomic.to_json(data))

@@ -177,12 +177,24 @@ def remove_previous(output_dir: Path) -> list[str]:
 
 
 def claim(
-    output_dir: Path, lock: Lock, *, resume: str | None, overwrite: bool, notes: list[str]
-) -> tuple[str, Path | None]:
+    output_dir: Path, lock: Lock, *, resume: str | None, overwrite: bool
+) -> tuple[str, str | None]:
     """Take `output_dir` for a run: check it is a writable folder, take the lock, and decide
     the run id and the checkpoint to resume from (None: start fresh). Refuses to replace an
-    earlier run's results unless `overwrite` (which removes them first). Appends what it did
-    or skipped to `notes`. Run on one rank (rank 0)."""
+    earlier run's results unless `overwrite` (which removes them first). Prints what it did or
+    skipped, also when it refuses. Run on one rank (rank 0)."""
+    notes: list[str] = []
+    try:
+        run_id, path = _claim(output_dir, lock, resume=resume, overwrite=overwrite, notes=notes)
+    finally:
+        for note in notes:
+            print(f"note: {note}", flush=True)
+    return run_id, str(path) if path else None
+
+
+def _claim(
+    output_dir: Path, lock: Lock, *, resume: str | None, overwrite: bool, notes: list[str]
+) -> tuple[str, Path | None]:
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir={str(out)!r} exists and is not a folder")
@@ -233,3 +245,10 @@ def claim(
     if previous and run.get("run_id") != run_id:
         raise refuse_existing(out, reason=f", not the run of {path}")
     return run_id, path
+
+
+def finish_run(output_dir: Path, *, status: str, step: int) -> None:
+    """Record how the run ended in run.json (`complete` also records that final/ holds this
+    step, when it was written)."""
+    done = status == "complete" and (Path(output_dir) / "final").is_dir()
+    write_run(output_dir, status=status, step=step, **({"final_step": step} if done else {}))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -153,3 +154,26 @@ def final_summary(t: Trainer) -> str:
         )
         lines.append(f"  {key:28s} {values}   ({' → '.join(h['phase'] for h in evals)})")
     return "\n".join(lines)
+
+
+def nonfinite(
+    keys: list[str], values: list[float], *, step: int, epoch: int, rows: list[int],
+    good: Path | None,
+) -> str:  # fmt: skip
+    """The message of a run stopped on a non-finite loss (`keys` of the step's metrics) or
+    gradient norm (`keys` == ["grad_norm"]): the step, its rows, the last good checkpoint."""
+    before_update = keys != ["grad_norm"]
+    bad = ", ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True) if not math.isfinite(v))
+    shown = ", ".join(map(str, rows[:16])) + (", …" if len(rows) > 16 else "")
+    last = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
+    applied = (
+        "its update was not applied"
+        if before_update
+        else "its update was applied in memory only: no checkpoint holds it"
+    )
+    return (
+        f"non-finite training {'metric' if before_update else 'gradient norm'} at step {step} "
+        f"(epoch {epoch}, {bad}); stopping: {applied}, and {last}. The step's global batch "
+        f"holds training rows [{shown}] (indices into the encoded train split). Lower "
+        "train.learning_rate, or check those rows."
+    )

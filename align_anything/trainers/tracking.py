@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,17 @@ class Progress:
             self._bar.close()
 
 
+@dataclass
+class StepResult:
+    """One optimizer step, summed over every rank: metric sums, items, tokens, rate, norm."""
+
+    sums: dict[str, float]
+    items: float
+    tokens: float
+    learning_rate: float
+    grad_norm: float | None
+
+
 class MetricWindow:
     """Training metrics between two logged steps: per-item sums, items, tokens, time."""
 
@@ -178,8 +190,7 @@ class MetricWindow:
         self.grad_norm: float | None = None
         self._window_start = time.perf_counter()
 
-    def add(self, step: Any) -> None:
-        """One step's `StepResult` (metric sums, items, tokens, rate, gradient norm)."""
+    def add(self, step: StepResult) -> None:
         for key, value in step.sums.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
         self.items += step.items
@@ -204,3 +215,13 @@ class MetricWindow:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+def quiet_library_progress_bars() -> None:
+    """Our progress display is the only one: transformers' per-load bars and datasets' split
+    bars would otherwise print once per rank."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    datasets.disable_progress_bars()
+    hf_logging.disable_progress_bar()
