@@ -34,16 +34,15 @@ class _Section(BaseModel):
 class LoraSection(_Section):
     """Low-rank adapters (PEFT LoRA) instead of full fine-tuning."""
 
-    enabled: bool = Field(False, description="Train LoRA adapters; the base weights stay frozen.")
-    r: int = Field(16, ge=1, description="Adapter rank.")
-    alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    enabled: bool = Field(description="Train LoRA adapters; the base weights stay frozen.")
+    r: int = Field(ge=1, description="Adapter rank.")
+    alpha: float = Field(gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(ge=0.0, lt=1.0, description="Dropout on the adapter input.")
     target_modules: list[str] | Literal["all-linear"] = Field(
-        "all-linear",
         description="Module names to adapt, e.g. `[q_proj,v_proj]` (one name needs no brackets); `all-linear`: every linear layer of the language model except the output head.",
     )
     save_merged: bool = Field(
-        False, description="Also write output_dir/final-merged: the adapter merged into the model."
+        description="Also write output_dir/final-merged: the adapter merged into the model."
     )
 
     def adapters(self) -> dict[str, Any] | None:
@@ -70,56 +69,46 @@ ModelPart = Literal["vision_tower", "audio_tower", "projector", "language_model"
 
 class ModelConfig(_Section):
     name_or_path: str = Field(
-        "smollm2-135m-instruct",
         description="A hub name, a local folder, or a built-in name (`smollm2-135m-instruct`, `tiny-random-llama`, ...).",
     )
     trust_remote_code: bool = Field(
-        False,
         description="Run the model repository's own Python code (off unless you trust its source).",
     )
     freeze: list[ModelPart] = Field(
-        default_factory=list,
         description="Parts whose weights stay fixed: any of `vision_tower`, `audio_tower`, `projector`, `language_model` (multimodal models).",
     )
-    lora: LoraSection = Field(
-        default_factory=LoraSection, description="Train low-rank adapters instead of all weights."
-    )
+    lora: LoraSection = Field(description="Train low-rank adapters instead of all weights.")
 
 
 class DataConfig(_Section):
     path: str = Field(
-        "arith-sft",
         description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`) or a hub dataset.",
     )
     format: Literal["auto", "conversation", "prompt_response", "preference", "hh"] = Field(
-        "auto",
         description="How rows map to records; `auto` recognises conversations, prompt/response, preference pairs and HH-RLHF transcripts.",
     )
     columns: dict[str, str] = Field(
-        default_factory=dict,
         description="Canonical name -> column in the file, e.g. `{prompt: question, chosen: good}`.",
     )
     max_length: int = Field(
-        256, ge=8, description="Token limit of one encoded sequence (prompt + completion)."
+        ge=8, description="Token limit of one encoded sequence (prompt + completion)."
     )
     truncation: Literal["drop", "truncate_prompt", "truncate_completion"] = Field(
-        "drop",
         description="Rows longer than `max_length`: drop them (counted in the start-up summary), or cut the prompt's start or the completion's end.",
     )
     eval_path: str | None = Field(
-        None, description="A held-out file; without it, `eval_fraction` of `data.path` is held out."
+        description="A held-out file; without it, `eval_fraction` of `data.path` is held out."
     )
     eval_fraction: float = Field(
-        0.05,
         ge=0.0,
         lt=1.0,
         description="Share of `data.path` held out for evaluation when `eval_path` is unset.",
     )
     max_train_samples: int | None = Field(
-        None, ge=1, description="Use at most this many training rows (null: all)."
+        ge=1, description="Use at most this many training rows (null: all)."
     )
     max_eval_samples: int | None = Field(
-        None, ge=1, description="Use at most this many evaluation rows (null: all)."
+        ge=1, description="Use at most this many evaluation rows (null: all)."
     )
 
 
@@ -127,82 +116,59 @@ class EMASection(_Section):
     """An exponential moving average of the trained weights, updated every optimizer step."""
 
     enabled: bool = Field(
-        False, description="Keep an EMA of the trained weights (checkpointed; final-ema/)."
+        description="Keep an EMA of the trained weights (checkpointed; final-ema/)."
     )
     decay: float = Field(
-        0.999, ge=0.0, lt=1.0, description="ema = decay * ema + (1 - decay) * weights, per step."
+        ge=0.0, lt=1.0, description="ema = decay * ema + (1 - decay) * weights, per step."
     )
     device: Literal["cpu", "device"] = Field(
-        "cpu", description="Where rank 0 keeps the fp32 average: host memory or the accelerator."
+        description="Where rank 0 keeps the fp32 average: host memory or the accelerator."
     )
 
 
 class TrainSection(_Section):
     max_steps: int = Field(
-        -1, ge=-1, description="Optimizer steps to run; -1 runs `train.epochs` epochs."
+        ge=-1, description="Optimizer steps to run; -1 runs `train.epochs` epochs."
     )
-    epochs: int = Field(
-        1, ge=1, description="Passes over the training rows when `max_steps` is -1."
-    )
+    epochs: int = Field(ge=1, description="Passes over the training rows when `max_steps` is -1.")
     per_device_batch_size: int | Auto = Field(
-        4, description="Micro-batch per process (DeepSpeed's `train_micro_batch_size_per_gpu`)."
+        description="Micro-batch per process (DeepSpeed's `train_micro_batch_size_per_gpu`)."
     )
     gradient_accumulation_steps: int | Auto = Field(
-        1, description="Micro-batches accumulated per optimizer step."
+        description="Micro-batches accumulated per optimizer step."
     )
     global_batch_size: int | Auto = Field(
-        "auto",
         description="Rows per optimizer step = micro x grad_accum x world; any two of the three determine the third.",
     )
-    learning_rate: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    learning_rate: float = Field(gt=0, description="Peak learning rate (AdamW).")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Learning-rate schedule after warm-up."
+        description="Learning-rate schedule after warm-up."
     )
     warmup_ratio: float = Field(
-        0.0,
         ge=0.0,
         lt=1.0,
         description="Share of the steps spent warming the rate up linearly from 0.",
     )
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
-    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2).")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(ge=0.0, description="AdamW weight decay.")
+    adam_betas: tuple[float, float] = Field(description="AdamW (beta1, beta2).")
+    adam_eps: float = Field(gt=0, description="AdamW epsilon.")
     max_grad_norm: float = Field(
-        1.0, ge=0.0, description="Gradient clipping norm (0 disables clipping)."
+        ge=0.0, description="Gradient clipping norm (0 disables clipping)."
     )
     precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
-        "auto", description="`auto`: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
+        description="`auto`: bf16 on GPUs that support it, fp16 on older GPUs, fp32 on CPU."
     )
     seed: int = Field(
-        42, description="Seed of the data order, the held-out split and the initial random state."
+        description="Seed of the data order, the held-out split and the initial random state."
     )
     eval_every_steps: int = Field(
-        0, ge=0, description="Evaluate every N steps; 0 evaluates only before and after training."
+        ge=0, description="Evaluate every N steps; 0 evaluates only before and after training."
     )
     log_every_steps: int = Field(
-        1, ge=1, description="Log (metrics.jsonl, backends, progress) every N steps."
+        ge=1, description="Log (metrics.jsonl, backends, progress) every N steps."
     )
-    completion_only_logits: bool = Field(
-        True,
-        description="Project only completion positions onto the vocabulary (same loss, less compute).",
-    )
-    gradient_checkpointing: bool = Field(
-        False,
-        description="Recompute each layer's activations in the backward pass: activation memory of about one layer instead of all, for about a third more compute.",
-    )
-    group_by_length: bool = Field(
-        True,
-        description="With gradient accumulation, each step's micro-batches take rows of similar length (less padding; the step's rows and gradient are unchanged).",
-    )
-    tied_grads_in_place: bool = Field(
-        True,
-        description="A tied input embedding/LM head accumulates its gradient in one buffer, not three (same gradient, less peak memory; ZeRO-0 in fp32 only).",
-    )
-    ema: EMASection = Field(
-        default_factory=EMASection, description="A moving average of the weights (final-ema/)."
-    )
+    ema: EMASection = Field(description="A moving average of the weights (final-ema/).")
     memory_budget_gb: float | None = Field(
-        None,
         gt=0,
         description="Per-device memory for `deepspeed=auto` and the planner; null: the device's (CPU: system RAM / local ranks).",
     )
@@ -215,47 +181,58 @@ class TrainSection(_Section):
         return value
 
 
+class SpeedSection(_Section):
+    """Switches that change only time and memory, never the numbers a run computes (each is
+    tested equal to the plain path). Everything outside this section may change results."""
+
+    completion_only_logits: bool = Field(
+        description="Project only the positions that predict a scored token onto the vocabulary (the LM head's share of compute, for the same log-probs)."
+    )
+    share_prefix: bool = Field(
+        description="Compute a shared prefix once: SFT, the common system prompt / template header of a micro-batch's rows (where it saves at least a quarter of the tokens); DPO, each pair's prompt (one row prompt + chosen + rejected). Needs attention that takes a dense mask (sdpa, eager); otherwise the plain rows."
+    )
+    group_by_length: bool = Field(
+        description="With gradient accumulation, each step's micro-batches take rows of similar length (less padding; the step's rows and gradient are unchanged)."
+    )
+    tied_grads_in_place: bool = Field(
+        description="A tied input embedding/LM head accumulates its gradient in one buffer, not three (less peak memory; ZeRO-0 in fp32 only)."
+    )
+    gradient_checkpointing: bool = Field(
+        description="Recompute each layer's activations in the backward pass: activation memory of about one layer instead of all, for about a third more compute."
+    )
+
+
 LoggingBackend = Literal["console", "jsonl", "wandb", "tensorboard"]
 
 
 class LoggingConfig(_Section):
     backends: list[LoggingBackend] = Field(
-        default_factory=lambda: ["console", "jsonl"],
         description="Any of console, jsonl, wandb, tensorboard; jsonl (`metrics.jsonl`) is always written. wandb logs offline when no API key is configured.",
     )
-    project: str = Field("align-anything", description="wandb project name.")
-    run_name: str | None = Field(None, description="wandb run name (null: wandb picks one).")
+    project: str = Field(description="wandb project name.")
+    run_name: str | None = Field(description="wandb run name (null: wandb picks one).")
 
 
 class CheckpointConfig(_Section):
     every_steps: int = Field(
-        0,
         ge=0,
         description="Write `checkpoints/step-N` every N steps; 0: no intermediate checkpoints.",
     )
     keep_last: int = Field(
-        2,
         ge=1,
         description="Complete checkpoints to keep; older ones are deleted once a new one is complete.",
     )
     save_final: bool = Field(
-        True,
         description="Export `output_dir/final` as a Hugging Face folder (safetensors + tokenizer).",
     )
     allow_mismatch: bool = Field(
-        False,
         description="Resume even if the model, tokenizer or training data differ from the checkpoint's.",
     )
 
 
 class SFTSection(_Section):
     assistant_only_loss: bool = Field(
-        True,
         description="Train on assistant tokens only; false trains on every non-padding token (prompt and template included).",
-    )
-    share_prefix: bool = Field(
-        True,
-        description="One row per micro-batch with the rows' common unscored prefix (system prompt, template header) computed once, where attention takes a dense mask (sdpa, eager). Same loss.",
     )
 
 
@@ -264,56 +241,47 @@ DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"]
 
 class DPOSection(_Section):
     beta: float = Field(
-        0.1, gt=0, description="Strength of the pull towards the reference model (the beta of DPO)."
+        gt=0, description="Strength of the pull towards the reference model (the beta of DPO)."
     )
     loss_type: DPOLossType = Field(
-        "sigmoid",
         description="sigmoid (DPO; with label_smoothing: cDPO), ipo, hinge, robust, or the reference-free simpo / orpo.",
     )
     label_smoothing: float = Field(
-        0.0, ge=0.0, lt=0.5, description="cDPO's epsilon for sigmoid; the noise rate for robust."
+        ge=0.0, lt=0.5, description="cDPO's epsilon for sigmoid; the noise rate for robust."
     )
-    simpo_gamma: float = Field(0.5, description="SimPO's target reward margin gamma.")
-    orpo_lambda: float = Field(0.1, ge=0.0, description="Weight of ORPO's odds-ratio term.")
+    simpo_gamma: float = Field(description="SimPO's target reward margin gamma.")
+    orpo_lambda: float = Field(ge=0.0, description="Weight of ORPO's odds-ratio term.")
     # Weight of a negative log-likelihood term on the chosen completion (token mean), added to
     # the preference loss: RPO (Pang et al. 2024), TRL's `rpo_alpha`. 0 disables it.
     rpo_alpha: float = Field(
-        0.0,
         ge=0.0,
         description="Weight of an NLL term on the chosen completion (RPO, TRL's `rpo_alpha`); 0: plain DPO.",
     )
     # model: a frozen reference model beside the policy (ZeRO-3: a partitioned inference engine);
     # precompute: one no-grad pass over the data before training, then the reference is freed.
     reference: Literal["model", "precompute"] = Field(
-        "precompute",
         description="precompute: one no-grad pass over the data before training, then the reference is freed; model: keep a frozen reference model.",
     )
     reference_offload: bool = Field(
-        False, description="With `reference=model`: keep the reference model in CPU memory."
-    )
-    share_prompt: bool = Field(
-        True,
-        description="One row per pair (prompt + chosen + rejected, the prompt computed once) where attention takes a dense mask (sdpa, eager); false: two rows per pair. Same loss.",
+        description="With `reference=model`: keep the reference model in CPU memory."
     )
     # Greedy generations on held-out prompts before and after training, checked for the
     # preferred property where the dataset defines one (built-in datasets do).
     generation_check_samples: int = Field(
-        0,
         ge=0,
         description="Greedy answers to this many held-out prompts before and after training, checked where the dataset defines a check (built-in data does).",
     )
     generation_max_new_tokens: int = Field(
-        32, ge=1, description="Token limit of each generation-check answer."
+        ge=1, description="Token limit of each generation-check answer."
     )
 
 
 class RMSection(_Section):
     margin_column: str | None = Field(
-        None,
         description="A column holding a per-pair margin subtracted inside the loss (null: none).",
     )
     center_coef: float = Field(
-        0.0, ge=0.0, description="Weight of the mean-squared reward term that centres rewards at 0."
+        ge=0.0, description="Weight of the mean-squared reward term that centres rewards at 0."
     )
 
 
@@ -329,18 +297,17 @@ class RunConfig(_Section):
         description="Where metrics, configs, checkpoints and the final model go."
     )
     resume: str | None = Field(
-        None,
         description="null: start fresh (refused when output_dir already holds a run); auto: the newest complete checkpoint of the run in output_dir (or fresh when the folder is empty); or a checkpoint path.",
     )
     overwrite_output_dir: bool = Field(
-        False,
         description="Start over in an output_dir that holds an earlier run: its checkpoints, final/ and metrics are removed first (other files stay).",
     )
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    train: TrainSection = Field(default_factory=TrainSection)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    model: ModelConfig = Field()
+    data: DataConfig = Field()
+    train: TrainSection = Field()
+    speed: SpeedSection = Field()
+    logging: LoggingConfig = Field()
+    checkpoint: CheckpointConfig = Field()
     # Dotted keys the user set on the command line; used to detect conflicts with the preset.
     explicit_keys: frozenset[str] = frozenset()
     # One section per task; only the selected task's section may be present.

@@ -18,7 +18,7 @@ The memory planner estimates, for each shipped preset,
   precomputed reference still exists while it is computed, after the policy's engine is built,
   so it counts towards the peak;
 - activations of one micro-batch (Korthikanti et al. 2022: 34·s·b·h bytes per layer in 16-bit
-  without activation checkpointing, doubled for fp32; with `train.gradient_checkpointing`, each
+  without activation checkpointing, doubled for fp32; with `speed.gradient_checkpointing`, each
   layer's 2·s·b·h input plus one layer's 34·s·b·h) plus the logits;
 
 and which presets fit the device memory (or `train.memory_budget_gb`) with 10% headroom.
@@ -216,7 +216,7 @@ def estimate_preset(
     seq = cfg.data.max_length
     scale = 2 if precision == "fp32" else 1
     per_layer = 34 * seq * sequences * sizes.hidden * scale
-    if cfg.train.gradient_checkpointing:
+    if cfg.speed.gradient_checkpointing:
         # Each layer's input (2·s·b·h bytes in 16-bit) is kept; one layer is recomputed at a time.
         activations = 2 * seq * sequences * sizes.hidden * sizes.layers * scale + per_layer
     else:

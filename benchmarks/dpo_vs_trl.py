@@ -53,12 +53,12 @@ def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float
             "align_anything": [],
             # Every switchable optimisation off: the plain two-rows-per-pair path.
             "align_anything plain": [
-                "dpo.share_prompt=false",
-                "train.completion_only_logits=false",
-                "train.tied_grads_in_place=false",
+                "speed.share_prefix=false",
+                "speed.completion_only_logits=false",
+                "speed.tied_grads_in_place=false",
             ],
             # Like TRL's defaults, with activation checkpointing.
-            "align_anything GC": ["train.gradient_checkpointing=true"],
+            "align_anything GC": ["speed.gradient_checkpointing=true"],
         },
         tokens=sum(sum(pair) for pair in lengths),
         token_lengths=lengths,

@@ -270,7 +270,7 @@ def test_score_refuses_a_causal_lm_before_loading_weights(sft_single, tmp_path: 
     source = tmp_path / "rows.jsonl"
     source.write_text('{"prompt": "hi", "response": "yo"}\n')
     result = subprocess.run(
-        [sys.executable, "-m", "align_anything.score", str(final), str(source),
+        [sys.executable, "-m", "align_anything", "score", str(final), str(source),
          "--out", str(tmp_path / "scored.jsonl")],
         cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ,
                                                             "HF_HUB_OFFLINE": "1"},

@@ -1,4 +1,4 @@
-"""Activation checkpointing (train.gradient_checkpointing) recomputes, it does not change the
+"""Activation checkpointing (speed.gradient_checkpointing) recomputes, it does not change the
 maths: the same losses as without it, through the shared-prompt DPO path and with LoRA."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from align_anything.trainers.base import Trainer
 def test_dpo_with_checkpointing_equals_without(dpo_single: RunResult, runs_dir: Path) -> None:
     run = launch(
         [*DPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=4",
-         "train.gradient_checkpointing=true"],
+         "speed.gradient_checkpointing=true"],
         runs_dir / "dpo-1rank-checkpointing",
     ).check()  # fmt: skip
     assert "each layer's activations recomputed" in run.summary_line("checkpointing")
@@ -28,7 +28,7 @@ def test_lora_sft_with_checkpointing_equals_without(tmp_path: Path) -> None:
     (non-reentrant) checkpoint still trains the adapters inside them, step for step alike."""
     args = [*SFT_ARGS, "deepspeed=z0", "train.max_steps=2", "model.lora.enabled=true"]
     plain = launch(args, tmp_path / "plain").check()
-    checkpointed = launch([*args, "train.gradient_checkpointing=true"], tmp_path / "gc").check()
+    checkpointed = launch([*args, "speed.gradient_checkpointing=true"], tmp_path / "gc").check()
     assert len(plain.losses()) == 2 and plain.losses()[1] != plain.losses()[0]
     assert checkpointed.losses() == pytest.approx(plain.losses(), rel=1e-6, abs=1e-7)
 
@@ -36,7 +36,7 @@ def test_lora_sft_with_checkpointing_equals_without(tmp_path: Path) -> None:
 def test_a_model_without_checkpointing_support_is_a_clear_error() -> None:
     import torch
 
-    trainer = Trainer(load_config([*SFT_ARGS, "train.gradient_checkpointing=true"]))
+    trainer = Trainer(load_config([*SFT_ARGS, "speed.gradient_checkpointing=true"]))
     trainer.summary_lines = []
     with pytest.raises(ConfigError, match="does not support gradient checkpointing"):
         trainer._enable_gradient_checkpointing(torch.nn.Linear(2, 2))

@@ -177,11 +177,11 @@ def test_rm_lora_trains_the_score_head_fully(rm_lora: RunResult, tmp_path: Path)
 
 
 def _score(model_dir: Path, rows: list[dict], tmp_path: Path) -> subprocess.CompletedProcess:
-    """`python -m align_anything.score model_dir rows.jsonl --out scored.jsonl`, offline."""
+    """`python -m align_anything score model_dir rows.jsonl --out scored.jsonl`, offline."""
     source = tmp_path / "rows.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return subprocess.run(
-        [sys.executable, "-m", "align_anything.score", str(model_dir), str(source),
+        [sys.executable, "-m", "align_anything", "score", str(model_dir), str(source),
          "--out", str(tmp_path / "scored.jsonl")],
         cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip

@@ -51,7 +51,7 @@ def test_activations_reference_and_lora() -> None:
     # 34·s·b·h bytes per layer (16-bit), doubled in fp32; plus logits b·s·V·4.
     assert sft.activations == 34 * 16 * 2 * 8 * 2 * 2 + 2 * 16 * 10 * 4
     # Checkpointing: every layer's input (2·s·b·h, doubled in fp32) plus one layer recomputed.
-    checkpointed = _estimate("z0", ["task=sft", "train.gradient_checkpointing=true"])
+    checkpointed = _estimate("z0", ["task=sft", "speed.gradient_checkpointing=true"])
     assert (
         checkpointed.activations == 2 * 16 * 2 * 8 * 2 * 2 + 34 * 16 * 2 * 8 * 2 + 2 * 16 * 10 * 4
     )

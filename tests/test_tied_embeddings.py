@@ -128,7 +128,7 @@ def test_training_run_equals_the_autograd_path(sft_single: RunResult, runs_dir: 
     assert "its gradient accumulates in place" in sft_single.output
     off = launch(
         [*SFT_ARGS, "deepspeed=z0", "train.per_device_batch_size=4",
-         "train.tied_grads_in_place=false"],
+         "speed.tied_grads_in_place=false"],
         runs_dir / "sft-1rank-tied-autograd",
     ).check()  # fmt: skip
     assert "accumulates in place" not in off.output

@@ -248,9 +248,9 @@ def enable_gradient_checkpointing(model: Any, name: str) -> None:
     LoRA and frozen parts, and under ZeRO-3); a clear error for a model without support."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(
-            f"train.gradient_checkpointing=true: {type(model).__name__} ({name}) does not "
+            f"speed.gradient_checkpointing=true: {type(model).__name__} ({name}) does not "
             "support gradient checkpointing in transformers; set "
-            "train.gradient_checkpointing=false (and lower train.per_device_batch_size or "
+            "speed.gradient_checkpointing=false (and lower train.per_device_batch_size or "
             "data.max_length if memory is short)"
         )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

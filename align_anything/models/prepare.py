@@ -22,7 +22,7 @@ def prepare_for_training(
         enable_gradient_checkpointing(model, name)
         lines.append(
             "  checkpointing   each layer's activations recomputed in the backward pass "
-            "(train.gradient_checkpointing)"
+            "(speed.gradient_checkpointing)"
         )
     # Before the engine: DeepSpeed partitions and builds optimizer state for trainable ones.
     parts.freeze_parts(model, freeze, model_name=name)

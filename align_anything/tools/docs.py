@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from align_anything.config import CONFIG_DIR, TASK_SECTIONS, RunConfig, available_tasks, load_config
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
 REGENERATE = "python -m align_anything docs --write"
@@ -140,13 +140,20 @@ def render() -> str:
         "",
         "Set any key on the command line as `section.key=value` "
         "(`python -m align_anything.train task=dpo dpo.beta=0.2 train.max_steps=100`). "
-        "Defaults are those of `configs/train.yaml` composed with `configs/task/<task>.yaml`; "
-        "where the tasks differ, each task's default is shown.",
+        "Defaults live in one place, `configs/train.yaml` composed with "
+        "`configs/task/<task>.yaml` (the schema holds types, limits and these descriptions, no "
+        "values); where the tasks differ, each task's default is shown.",
     ]
     for title, rows in _rows(RunConfig, "", resolved):
+        heading = f"**{title}**" if title == "top level" else f"**`{title}`**"
+        if title == "speed":
+            heading += (
+                " — time and memory only: none of these changes a number the run computes "
+                "(each is tested equal to the plain path); every other key may."
+            )
         parts += [
             "",
-            f"**{title}**" if title == "top level" else f"**`{title}`**",
+            heading,
             "",
             "| key | type | default | description |",
             "| --- | --- | --- | --- |",

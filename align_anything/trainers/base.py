@@ -293,7 +293,7 @@ class Trainer:
         model, lines = prepare_for_training(
             model, name=cfg.model.name_or_path, freeze=cfg.model.freeze,
             adapters=cfg.model.lora.adapters(), reward=self.task == "rm",
-            gradient_checkpointing=cfg.train.gradient_checkpointing,
+            gradient_checkpointing=cfg.speed.gradient_checkpointing,
         )  # fmt: skip
         self.summary_lines += lines
         train = cfg.train
@@ -305,13 +305,13 @@ class Trainer:
             warmup_steps=self.warmup_steps,
         )  # fmt: skip
         # Only where gradients are plain tensors (ZeRO-0, fp32 torch optimizer): see the module.
-        if train.tied_grads_in_place and self.engine.plain_gradients:
+        if cfg.speed.tied_grads_in_place and self.engine.plain_gradients:
             if tied_embeddings.accumulate_in_place(self.engine.module):
                 self.summary_lines.append(
                     "  tied embedding  input embedding and LM head share one matrix: its "
-                    "gradient accumulates in place (train.tied_grads_in_place)"
+                    "gradient accumulates in place (speed.tied_grads_in_place)"
                 )
-        self.completion_only_logits = train.completion_only_logits and (
+        self.completion_only_logits = cfg.speed.completion_only_logits and (
             forward.supports_logits_to_keep(self.engine.module)
         )
         self.after_engine()
@@ -369,7 +369,7 @@ class Trainer:
         slices = rank_step_rows(
             step, len(self.train_rows), self.batch_plan, rank=self.dist.rank,
             seed=self.cfg.train.seed, steps_per_epoch=self.steps_per_epoch,
-            lengths=self._row_lengths if self.cfg.train.group_by_length else None,
+            lengths=self._row_lengths if self.cfg.speed.group_by_length else None,
         )  # fmt: skip
         return [
             self._to_device(self.collate_with_media([self.train_rows[i] for i in s]))

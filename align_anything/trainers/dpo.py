@@ -92,17 +92,17 @@ class DPOTrainer(Trainer):
     def after_engine(self) -> None:
         # Media are attached per sequence (two rows per pair): text-only batches share prompts.
         self.share_prompt = (
-            self.cfg.dpo.share_prompt
+            self.cfg.speed.share_prefix
             and self.media is None
             and supports_shared_prompt(self.engine.module.config)
         )
         if self.share_prompt:
             self.summary_lines.append(
-                "  pairs           one row per pair, the prompt computed once (dpo.share_prompt)"
+                "  pairs           one row per pair, the prompt computed once (speed.share_prefix)"
             )
-        elif self.cfg.dpo.share_prompt:
+        elif self.cfg.speed.share_prefix:
             self.summary_lines.append(
-                "  pairs           two rows per pair (share_prompt needs a text model with "
+                "  pairs           two rows per pair (speed.share_prefix needs a text model with "
                 "sdpa or eager attention)"
             )
         self.reference: InferenceEngine | lora.AdapterDisabledReference | None = None

@@ -31,7 +31,7 @@ class SFTTrainer(Trainer):
         return rows, report
 
     def after_engine(self) -> None:
-        self.share_prefix = self.cfg.sft.share_prefix and supports_shared_prompt(
+        self.share_prefix = self.cfg.speed.share_prefix and supports_shared_prompt(
             self.engine.module.config
         )
 
