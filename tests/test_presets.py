@@ -35,7 +35,7 @@ BUCKET_KEYS = (
     "stage3_param_persistence_threshold",
 )
 TINY_MODEL = "tiny-random-llama"
-TINY_HIDDEN = 64  # models.py builds tiny-random-llama with hidden_size=64
+TINY_HIDDEN = 64  # models/zoo.py builds tiny-random-llama with hidden_size=64
 
 
 def find_auto(node: Any, path: str = "") -> list[str]:
