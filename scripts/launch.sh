@@ -14,6 +14,8 @@
 #                    DRY_RUN=1    print the command instead of running it
 # Every other argument is a Hydra override passed through to align_anything.train.
 set -euo pipefail
+# shellcheck source=env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
 TASK=${TASK:?set TASK=sft|dpo|rm, or call scripts/sft.sh, dpo.sh or rm.sh}
 LAUNCHER=${LAUNCHER:-deepspeed}

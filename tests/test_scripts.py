@@ -146,3 +146,46 @@ def test_every_script_is_valid_bash() -> None:
     for path in scripts:
         done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
         assert done.returncode == 0, f"{path.name}: {done.stderr}"
+
+
+def _without_environment() -> dict[str, str]:
+    """The environment of a fresh shell: no virtual environment active, only system tools."""
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS and k != "VIRTUAL_ENV"}
+    env["PATH"] = os.pathsep.join(
+        p for p in ("/usr/local/bin", "/usr/bin", "/bin") if Path(p).is_dir()
+    )
+    env.pop("PYTHON", None)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+@pytest.mark.skipif(
+    not (REPO_ROOT / ".venv" / "bin" / "python").exists(), reason="no .venv (make setup) here"
+)
+def test_scripts_find_the_project_venv_without_activation() -> None:
+    """Right after `make test`/`make train`, with no environment active, scripts/env.sh points
+    PYTHON and the launchers at the project's .venv."""
+    probe = 'source scripts/env.sh && "$PYTHON" -c "import align_anything, sys; print(sys.prefix)" && command -v deepspeed'
+    result = subprocess.run(
+        ["bash", "-c", probe], cwd=REPO_ROOT, env=_without_environment(), capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    prefix, launcher = result.stdout.split()
+    assert Path(prefix).resolve() == (REPO_ROOT / ".venv").resolve()
+    assert Path(launcher).parent.resolve() == (REPO_ROOT / ".venv" / "bin").resolve()
+
+
+@pytest.mark.skipif(
+    not (REPO_ROOT / ".venv" / "bin" / "python").exists(), reason="no .venv (make setup) here"
+)
+def test_an_example_runs_without_activating_the_venv(tmp_path: Path) -> None:
+    env = {**_without_environment(), "MODEL": TINY_MODEL, "STEPS": "1", "OUT": str(tmp_path),
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "NO_COLOR": "1"}  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", "examples/byo_dataset/run.sh"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True,
+    )  # fmt: skip
+    finish(proc, tmp_path / "sft", timeout_s=400).check()
+    for stage in ("dpo", "rm", "sft"):
+        assert (tmp_path / stage / "run.json").exists(), stage

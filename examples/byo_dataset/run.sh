@@ -9,9 +9,10 @@ here=$(dirname "$0")
 OUT=${OUT:-outputs/byo_dataset}
 MODEL=${MODEL:-smollm2-135m-instruct}
 STEPS=${STEPS:-3}
-PYTHON=${PYTHON:-python}
+source "$(dirname "$0")/../../scripts/env.sh"  # PYTHON: the project's .venv when none is active
 common=(data.path="$here/capitals.jsonl" data.eval_path=null data.eval_fraction=0.25 model.name_or_path="$MODEL"
-        train.max_steps="$STEPS" train.per_device_batch_size=4 checkpoint.save_final=false)
+        train.max_steps="$STEPS" train.per_device_batch_size=4 checkpoint.save_final=false
+        overwrite_output_dir=true)  # a rerun starts over in the example's own folders
 pairs=(data.columns.prompt=question data.columns.chosen=good_answer data.columns.rejected=bad_answer)
 
 "$PYTHON" -m align_anything.train task=dpo "${common[@]}" "${pairs[@]}" \

@@ -6,15 +6,16 @@
 #   SFT_STEPS=3 RM_STEPS=3 DPO_STEPS=3 bash examples/text_pipeline/run.sh   # a quick smoke run
 #
 # Settings: OUT (default outputs/text_pipeline), SFT_STEPS (20), RM_STEPS (12), DPO_STEPS (12),
-# PRESET (z0; z2/z3 need nothing else), PYTHON (python). On several GPUs, put
+# PRESET (z0; z2/z3 need nothing else), PYTHON (default: the active environment, else .venv). On several GPUs, put
 # `deepspeed --num_gpus N --module` in front of align_anything.train (see scripts/).
 set -euo pipefail
 
 OUT=${OUT:-outputs/text_pipeline}
 PRESET=${PRESET:-z0}
-PYTHON=${PYTHON:-python}
+source "$(dirname "$0")/../../scripts/env.sh"  # PYTHON: the project's .venv when none is active
 here=$(dirname "$0")
-train() { "$PYTHON" -m align_anything.train deepspeed="$PRESET" "$@"; }
+# A rerun starts each stage over in its folder under $OUT (the example's own outputs only).
+train() { "$PYTHON" -m align_anything.train deepspeed="$PRESET" overwrite_output_dir=true "$@"; }
 
 echo "== 1/4 SFT: teach the answer format 'Answer: N' (built-in arith-sft conversations)"
 train task=sft train.max_steps="${SFT_STEPS:-20}" train.learning_rate=5e-5 \
