@@ -164,3 +164,17 @@ def device_type() -> str:
 
 def bf16_supported() -> bool:
     return bool(get_accelerator().is_bf16_supported())
+
+
+def sum_metrics(
+    sums: dict[str, Any], keys: list[str], *extra: float
+) -> tuple[list[float], list[float]]:
+    """Sum per-rank metric sums (`keys`, a value of 0 where a rank has none) and `extra`
+    numbers over ranks in one all-reduce; returns (the summed metrics in `keys` order, the
+    summed extras). Every rank must pass the same keys."""
+    zero = torch.zeros((), dtype=torch.float64)
+    values = [torch.as_tensor(sums.get(k, zero), dtype=torch.float64).reshape(()) for k in keys]
+    packed = torch.stack([*values, *(torch.tensor(float(x), dtype=torch.float64) for x in extra)])
+    all_reduce_sum(packed)
+    out = packed.tolist()
+    return out[: len(keys)], out[len(keys) :]

@@ -254,3 +254,13 @@ def enable_gradient_checkpointing(model: Any, name: str) -> None:
             "data.max_length if memory is short)"
         )
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def load_text_side(path: str, *, trust_remote_code: bool) -> tuple[Any, Any, Any]:
+    """(config, tokenizer, processor) of a model folder: for an image-text or audio-text model
+    the tokenizer is its processor's; for a text model the processor is None."""
+    config = load_config(path, trust_remote_code=trust_remote_code)
+    if modalities_of(config):
+        processor = load_processor(path, trust_remote_code=trust_remote_code)
+        return config, processor.tokenizer, processor
+    return config, load_tokenizer(path, trust_remote_code=trust_remote_code), None

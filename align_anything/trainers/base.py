@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -46,7 +45,7 @@ from align_anything.trainers.batching import (
     shard_chunks,
     step_indices,
 )
-from align_anything.trainers.preemption import StopRequest
+from align_anything.trainers.preemption import StopRequest, agreed_signal
 from align_anything.trainers.tracking import (
     MetricsLogger,
     MetricWindow,
@@ -195,17 +194,11 @@ class Trainer:
         processor's tokenizer, and media support for the data)."""
         cfg = self.cfg.model
         self.model_path = zoo.resolve_model_path(cfg.name_or_path)
-        trust = cfg.trust_remote_code
-        self.model_config = model_loading.load_config(self.model_path, trust_remote_code=trust)
-        self.processor: Any = None
-        self.media: MediaSupport | None = None
+        self.model_config, self.tokenizer, self.processor = model_loading.load_text_side(
+            self.model_path, trust_remote_code=cfg.trust_remote_code
+        )
         modalities = model_loading.modalities_of(self.model_config)
-        if modalities:
-            self.processor = model_loading.load_processor(self.model_path, trust_remote_code=trust)
-            self.media = MediaSupport(self.processor, modalities)
-            self.tokenizer = self.processor.tokenizer
-        else:
-            self.tokenizer = model_loading.load_tokenizer(self.model_path, trust_remote_code=trust)
+        self.media = MediaSupport(self.processor, modalities) if modalities else None
 
     def _build_data(self) -> None:
         """Load, check, split and encode the data (before any weights: a bad dataset fails in
@@ -256,13 +249,11 @@ class Trainer:
         self._plan_steps()
         if state is None:
             return
-        for warning in checkpoints.check_resume(
+        checkpoints.check_resume(
             self.resume_dir, state, now={"model": cfg.model.name_or_path, **self.fingerprints},
             global_batch=self.batch_plan.global_batch,
-            allow_mismatch=cfg.checkpoint.allow_mismatch,
-        ):  # fmt: skip
-            if self.dist.is_main:
-                print(warning, flush=True)
+            allow_mismatch=cfg.checkpoint.allow_mismatch, warn=self.dist.is_main,
+        )  # fmt: skip
         note = checkpoints.schedule_note(self.resume_dir.name, state, self._schedule())
         self.summary_lines += [f"  schedule        {note}"] if note else []
         if self.deepspeed.universal:
@@ -343,11 +334,8 @@ class Trainer:
         )  # fmt: skip
         for name, data in self._configs().items():
             (self.output_dir / name).write_text(atomic.to_json(data))
-        outdir.write_run(
-            self.output_dir, run_id=self.run_id, task=self.task, status="running",
-            step=self.step, started=time.time(),
-            resumed_from=str(self.resume_dir) if self.resume_dir else None,
-        )  # fmt: skip
+        outdir.start_run(self.output_dir, self.run_id, task=self.task, step=self.step,
+                         resumed_from=self.resume_dir)  # fmt: skip
         self._run_file_written = True
         print(report.startup_summary(self), flush=True)
 
@@ -406,28 +394,23 @@ class Trainer:
         backward, the update, the weight average. Stops on a non-finite loss (before the
         update) or gradient norm (after it, before any checkpoint)."""
         micro_batches = self._micro_batches_for_step(self.step)
-        counts = torch.tensor(
-            [float(sum(self.count_items(b) for b in micro_batches)),
-             float(sum(int(b["attention_mask"].sum()) for b in micro_batches))],
-            dtype=torch.float64,
+        _, (items, tokens) = comm.sum_metrics(
+            {}, [], sum(self.count_items(b) for b in micro_batches),
+            sum(int(b["attention_mask"].sum()) for b in micro_batches),
         )  # fmt: skip
-        comm.all_reduce_sum(counts)
-        items, tokens = float(counts[0]), float(counts[1])
         batch = self.batch_plan
         normalizer = max(items, 1.0) / (batch.world_size * batch.grad_accum)
         rate = self.engine.learning_rate()  # the rate this step uses (the schedule moves after)
-        step_sums: dict[str, torch.Tensor] = {}
+        sums: dict[str, torch.Tensor] = {}
         for index, micro in enumerate(micro_batches):
             loss, metric_sums = self.compute_loss(micro, normalizer=normalizer, training=True)
             self.engine.backward(loss)
             if index < len(micro_batches) - 1:
                 self.engine.step()  # not yet the accumulation boundary: no update
             for key, value in metric_sums.items():
-                step_sums[key] = step_sums.get(key, 0) + value.detach().double().cpu()
-        keys = sorted(step_sums)
-        packed = torch.stack([step_sums[k].reshape(()) for k in keys]) if keys else torch.zeros(0)
-        comm.all_reduce_sum(packed)
-        values = packed.tolist()
+                sums[key] = sums.get(key, 0) + value.detach().double().cpu()
+        keys = sorted(sums)
+        values, _ = comm.sum_metrics(sums, keys)
         # Checked on every rank alike: a non-finite loss never reaches the weights.
         if not all(math.isfinite(v) for v in values):
             self._stop_on_nonfinite(keys, values)
@@ -466,7 +449,7 @@ class Trainer:
         saved = bool(every) and self.step % every == 0
         if saved:
             self.save_checkpoint()
-        signum = self._stop_signal()
+        signum = agreed_signal(self.stop_request)
         if signum:
             progress.close()
             path = self.save_checkpoint() if not saved else self._checkpoint_path(self.step)
@@ -476,14 +459,6 @@ class Trainer:
                 "resume=auto to continue from it.",
                 signum,
             )
-
-    def _stop_signal(self) -> int:
-        """The stop signal any rank received (0: none). Collective, so that every rank stops
-        after the same step even when the signal reached them at different moments."""
-        signum = self.stop_request.signum if self.stop_request is not None else None
-        flag = torch.tensor([float(signum or 0)])
-        comm.all_reduce_max(flag)
-        return int(flag.item())
 
     def _stop_on_nonfinite(self, keys: list[str], values: list[float]) -> None:
         """Stop on a non-finite loss (before its update) or gradient norm (after the update,
@@ -520,7 +495,7 @@ class Trainer:
         if self.eval_rows:
             self.engine.eval()
             sums: dict[str, torch.Tensor] = {}
-            items = torch.zeros((), dtype=torch.float64)
+            items = 0
             for batch, real in self._eval_micro_batches():
                 _, metric_sums = self.compute_loss(batch, normalizer=1.0, training=False)
                 if not real:
@@ -529,11 +504,8 @@ class Trainer:
                 for key, value in metric_sums.items():
                     sums[key] = sums.get(key, 0) + value.detach().double().cpu()
             keys = sorted(set(sums) | set(self.metric_keys()))
-            zero = torch.zeros((), dtype=torch.float64)
-            packed = torch.stack([sums.get(k, zero).reshape(()) for k in keys] + [items])
-            comm.all_reduce_sum(packed)
-            total = max(float(packed[-1]), 1.0)
-            averaged = {k: v / total for k, v in zip(keys, packed[:-1].tolist(), strict=True)}
+            values, (total,) = comm.sum_metrics(sums, keys, items)
+            averaged = {k: v / max(total, 1.0) for k, v in zip(keys, values, strict=True)}
             results.update({f"eval/{k}": v for k, v in self.finalize_metrics(averaged).items()})
             self.engine.train()
         results.update(self.evaluate_extra(label))

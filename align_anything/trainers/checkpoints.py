@@ -240,11 +240,11 @@ def fingerprints(tokenizer: Any, rows: list[dict], data_path: str) -> dict[str, 
 
 def check_resume(
     folder: Path, state: dict[str, Any], *, now: dict[str, Any], global_batch: int,
-    allow_mismatch: bool,
-) -> list[str]:  # fmt: skip
+    allow_mismatch: bool, warn: bool = True,
+) -> None:  # fmt: skip
     """Refuse a resume that would silently train something else than the checkpoint did
     (another global batch: another data order; another model, tokenizer or training data,
-    unless `allow_mismatch`). Returns the warnings to print when mismatches are allowed."""
+    unless `allow_mismatch`, when a warning is printed where `warn`)."""
     if state.get("global_batch") != global_batch:
         raise ConfigError(
             f"checkpoint {folder} was trained with global batch {state.get('global_batch')}, "
@@ -262,9 +262,11 @@ def check_resume(
         if state.get(key) != now[key]
     ]
     if not changed:
-        return []
+        return
     if allow_mismatch:
-        return [f"warning: resuming from {folder} although:\n" + "\n".join(changed)]
+        if warn:
+            print(f"warning: resuming from {folder} although:\n" + "\n".join(changed), flush=True)
+        return
     raise ConfigError(
         f"resume from {folder} refused: this run differs from the checkpoint's\n"
         + "\n".join(changed)

@@ -252,3 +252,13 @@ def finish_run(output_dir: Path, *, status: str, step: int) -> None:
     step, when it was written)."""
     done = status == "complete" and (Path(output_dir) / "final").is_dir()
     write_run(output_dir, status=status, step=step, **({"final_step": step} if done else {}))
+
+
+def start_run(
+    output_dir: Path, run_id: str, *, task: str, step: int, resumed_from: Path | None
+) -> None:
+    """run.json at the start of a run (or of a resumed one): its id, status `running`."""
+    write_run(
+        output_dir, run_id=run_id, task=task, status="running", step=step, started=time.time(),
+        resumed_from=str(resumed_from) if resumed_from else None,
+    )  # fmt: skip

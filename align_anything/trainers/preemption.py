@@ -61,3 +61,15 @@ class StopRequest:
                     2,
                     f"\n{name} received: finishing this step, then writing a checkpoint{hint}\n".encode(),
                 )
+
+
+def agreed_signal(request: StopRequest | None) -> int:
+    """The stop signal any rank received (0: none). Collective, so that every rank stops after
+    the same step even when the signal reached them at different moments."""
+    import torch
+
+    from align_anything.backend import distributed as comm
+
+    flag = torch.tensor([float(request.signum or 0) if request is not None else 0.0])
+    comm.all_reduce_max(flag)
+    return int(flag.item())
