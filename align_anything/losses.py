@@ -96,6 +96,49 @@ def dpo_loss(
         ValueError: unknown loss_type (the message lists DPO_LOSS_TYPES), an input the loss
             type needs but was not given, mismatched shapes, or an out-of-range parameter.
     """
+    _check_dpo_arguments(
+        loss_type, beta, label_smoothing, policy_chosen_logps, policy_rejected_logps,
+        ref_chosen_logps, ref_rejected_logps, chosen_token_counts, rejected_token_counts,
+    )  # fmt: skip
+    if loss_type in REFERENCE_FREE_LOSS_TYPES:
+        assert chosen_token_counts is not None and rejected_token_counts is not None
+        return _reference_free_loss(
+            loss_type, beta, label_smoothing, simpo_gamma, orpo_lambda,
+            _per_token(policy_chosen_logps, chosen_token_counts),
+            _per_token(policy_rejected_logps, rejected_token_counts),
+        )  # fmt: skip
+    assert ref_chosen_logps is not None and ref_rejected_logps is not None
+    if loss_type == "ipo":
+        assert chosen_token_counts is not None and rejected_token_counts is not None
+        policy_chosen_logps = _per_token(policy_chosen_logps, chosen_token_counts)
+        ref_chosen_logps = _per_token(ref_chosen_logps, chosen_token_counts)
+        policy_rejected_logps = _per_token(policy_rejected_logps, rejected_token_counts)
+        ref_rejected_logps = _per_token(ref_rejected_logps, rejected_token_counts)
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    h = chosen_logratios - rejected_logratios
+    z = beta * h
+    if loss_type == "sigmoid":
+        losses = _smoothed_sigmoid_loss(z, label_smoothing)
+    elif loss_type == "ipo":
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1.0 - z)
+    else:  # robust
+        eps = label_smoothing
+        losses = ((1 - eps) * -F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    return DPOLossOutput(
+        losses, (beta * chosen_logratios).detach(), (beta * rejected_logratios).detach()
+    )
+
+
+def _check_dpo_arguments(
+    loss_type: str, beta: float, label_smoothing: float, policy_chosen_logps: Tensor,
+    policy_rejected_logps: Tensor, ref_chosen_logps: Tensor | None,
+    ref_rejected_logps: Tensor | None, chosen_token_counts: Tensor | None,
+    rejected_token_counts: Tensor | None,
+) -> None:  # fmt: skip
+    """`dpo_loss`'s argument checks: each problem is a ValueError naming it."""
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(
             f"unknown DPO loss_type {loss_type!r}; expected one of {', '.join(DPO_LOSS_TYPES)}"
@@ -152,47 +195,25 @@ def dpo_loss(
     if len(set(shapes.values())) != 1:
         raise ValueError(f"dpo_loss inputs must share one shape, got {shapes}")
 
-    if loss_type in REFERENCE_FREE_LOSS_TYPES:
-        assert chosen_token_counts is not None and rejected_token_counts is not None
-        avg_chosen = _per_token(policy_chosen_logps, chosen_token_counts)
-        avg_rejected = _per_token(policy_rejected_logps, rejected_token_counts)
-        chosen_rewards = (beta * avg_chosen).detach()
-        rejected_rewards = (beta * avg_rejected).detach()
-        if loss_type == "simpo":
-            z = beta * (avg_chosen - avg_rejected) - simpo_gamma
-            losses = _smoothed_sigmoid_loss(z, label_smoothing)
-        else:
-            # log p can round to exactly 0 for a near-certain completion; log(1 - 1) would
-            # make the log-odds infinite, so keep avg strictly below 0.
-            eps = 1e-6
-            log_odds_chosen = avg_chosen - _log1mexp(avg_chosen.clamp(max=-eps))
-            log_odds_rejected = avg_rejected - _log1mexp(avg_rejected.clamp(max=-eps))
-            losses = -avg_chosen - orpo_lambda * F.logsigmoid(log_odds_chosen - log_odds_rejected)
-        return DPOLossOutput(losses, chosen_rewards, rejected_rewards)
 
-    assert ref_chosen_logps is not None and ref_rejected_logps is not None
-    if loss_type == "ipo":
-        assert chosen_token_counts is not None and rejected_token_counts is not None
-        policy_chosen_logps = _per_token(policy_chosen_logps, chosen_token_counts)
-        ref_chosen_logps = _per_token(ref_chosen_logps, chosen_token_counts)
-        policy_rejected_logps = _per_token(policy_rejected_logps, rejected_token_counts)
-        ref_rejected_logps = _per_token(ref_rejected_logps, rejected_token_counts)
-    chosen_logratios = policy_chosen_logps - ref_chosen_logps
-    rejected_logratios = policy_rejected_logps - ref_rejected_logps
-    h = chosen_logratios - rejected_logratios
-    z = beta * h
-    if loss_type == "sigmoid":
+def _reference_free_loss(
+    loss_type: str, beta: float, label_smoothing: float, simpo_gamma: float, orpo_lambda: float,
+    avg_chosen: Tensor, avg_rejected: Tensor,
+) -> DPOLossOutput:  # fmt: skip
+    """simpo and orpo from per-token average log-probs (see `dpo_loss`)."""
+    chosen_rewards = (beta * avg_chosen).detach()
+    rejected_rewards = (beta * avg_rejected).detach()
+    if loss_type == "simpo":
+        z = beta * (avg_chosen - avg_rejected) - simpo_gamma
         losses = _smoothed_sigmoid_loss(z, label_smoothing)
-    elif loss_type == "ipo":
-        losses = (h - 1.0 / (2.0 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1.0 - z)
-    else:  # robust
-        eps = label_smoothing
-        losses = ((1 - eps) * -F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
-    return DPOLossOutput(
-        losses, (beta * chosen_logratios).detach(), (beta * rejected_logratios).detach()
-    )
+    else:
+        # log p can round to exactly 0 for a near-certain completion; log(1 - 1) would make
+        # the log-odds infinite, so keep avg strictly below 0.
+        eps = 1e-6
+        log_odds_chosen = avg_chosen - _log1mexp(avg_chosen.clamp(max=-eps))
+        log_odds_rejected = avg_rejected - _log1mexp(avg_rejected.clamp(max=-eps))
+        losses = -avg_chosen - orpo_lambda * F.logsigmoid(log_odds_chosen - log_odds_rejected)
+    return DPOLossOutput(losses, chosen_rewards, rejected_rewards)
 
 
 def _smoothed_sigmoid_loss(z: Tensor, label_smoothing: float) -> Tensor:

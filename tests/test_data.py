@@ -632,15 +632,15 @@ def test_end_to_end_sft_batch_from_file(tokenizer, tmp_path):
 
 
 def test_builtin_name_resolves_to_its_file(tmp_path, monkeypatch):
-    import align_anything.data.formats as formats
+    import align_anything.data.sources as sources
 
     path = write_jsonl(
         tmp_path / "shipped.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}]
     )
-    monkeypatch.setattr(formats, "builtin_path", lambda name: path if name == "tiny" else None)
+    monkeypatch.setattr(sources, "builtin_path", lambda name: path if name == "tiny" else None)
     records, report = load_records("tiny")
     assert report.source == "tiny (built-in)" and report.format == "preference"
     assert records[0]["chosen"] == [assistant("a")]
-    monkeypatch.setattr(formats, "builtin_path", lambda name: tmp_path / "gone.jsonl")
+    monkeypatch.setattr(sources, "builtin_path", lambda name: tmp_path / "gone.jsonl")
     with pytest.raises(DataError, match="built-in dataset 'tiny' should be at .*gone.jsonl"):
         load_records("tiny")
