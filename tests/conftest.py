@@ -7,6 +7,9 @@ timeout that kills the whole process group and fails the test instead of hanging
 Runs that several tests read (the single-rank SFT / DPO / RM recipes, the 2-rank DPO runs) are
 session-scoped fixtures here, so test_recipes.py and test_distributed.py share them: each launch
 costs 15-30 s on a CPU runner.
+
+Every test that starts a run must carry the `slow` marker (`make test-fast` leaves those out):
+`spawn` and `finish` fail a test that is not marked.
 """
 
 from __future__ import annotations
@@ -44,6 +47,27 @@ DIST_ENV_VARS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID", "CROSS_RANK", "CROSS_SIZE",
 )  # fmt: skip
+
+
+# The test being set up or run: `spawn` and `finish` check that it is marked slow.
+_current_test: pytest.Item | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _current_test
+    _current_test = item
+
+
+def _require_slow_marker(what: str) -> None:
+    """Fail the current test, before it starts `what`, unless it is marked slow: an unmarked
+    end-to-end test would make `make test-fast` take minutes."""
+    if _current_test is not None and _current_test.get_closest_marker("slow") is None:
+        pytest.fail(
+            f"{_current_test.nodeid} {what} but is not marked slow: add @pytest.mark.slow "
+            "(or `pytestmark = pytest.mark.slow` for a module of end-to-end tests)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
@@ -139,6 +163,7 @@ def spawn(
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    _require_slow_marker(f"starts {module} ({launcher})")
     module_args = [module, *overrides, f"output_dir={output_dir}"]
     if launcher == "python":
         if nproc != 1:
@@ -188,6 +213,7 @@ def finish(
 ) -> RunResult:
     """Wait for a spawned run; on timeout kill its whole process group and fail the test."""
     try:
+        _require_slow_marker(f"waits for a run ({' '.join(map(str, proc.args[:3]))} ...)")
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
@@ -198,7 +224,7 @@ def finish(
             pytrace=False,
         )
     except BaseException:
-        # Interrupted (Ctrl-C, pytest-timeout): take the ranks down with us.
+        # Interrupted (Ctrl-C, pytest-timeout, a test not marked slow): take the ranks down.
         _kill_group(proc)
         proc.wait()
         raise

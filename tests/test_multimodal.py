@@ -279,6 +279,7 @@ def one_rank(
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["sft", "dpo", "rm"])
 @pytest.mark.parametrize("modality", ["image", "audio"])
 def test_one_rank_losses_match_frozen_values(
@@ -298,6 +299,7 @@ def _has_media(row: dict) -> bool:
     return bool(row.get("images") or row.get("audio"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("modality", ["image", "audio"])
 def test_two_ranks_zero3_with_media_on_one_rank_only(
     modality: str, datasets_dir: dict[str, Path], one_rank: dict[tuple[str, str], RunResult],
@@ -337,6 +339,7 @@ def test_two_ranks_zero3_with_media_on_one_rank_only(
 # ---------------------------------------------------------------------------- exports
 
 
+@pytest.mark.slow
 def test_image_sft_export_generates_and_kept_the_frozen_tower(
     one_rank: dict[tuple[str, str], RunResult],
 ) -> None:
@@ -365,6 +368,7 @@ def test_image_sft_export_generates_and_kept_the_frozen_tower(
     assert "vision_tower 0.02M frozen" in run.summary_line("parts")
 
 
+@pytest.mark.slow
 def test_audio_sft_export_generates(one_rank: dict[tuple[str, str], RunResult]) -> None:
     from transformers import AutoModelForMultimodalLM, AutoProcessor
 
@@ -382,6 +386,7 @@ def test_audio_sft_export_generates(one_rank: dict[tuple[str, str], RunResult]) 
     assert "audio_tower 0.02M frozen" in run.summary_line("parts")
 
 
+@pytest.mark.slow
 def test_image_rm_export_loads_with_from_pretrained(
     one_rank: dict[tuple[str, str], RunResult],
 ) -> None:

@@ -25,6 +25,9 @@ from align_anything.data import (
 )
 from align_anything.losses import completion_logps
 
+# End to end: every test here launches the real trainer (conftest.launch).
+pytestmark = pytest.mark.slow
+
 LN2 = math.log(2.0)
 # Frozen values are compared with this relative tolerance: runs on one machine repeat to ~1e-7;
 # the slack covers other CPUs' kernels and thread counts, not a change in what is computed.

@@ -17,6 +17,10 @@ from conftest import FINISHED_ARGS, RunResult, copy_run, launch, snapshot, tail
 from align_anything import checkpoints, engine
 from align_anything.train import main
 
+# End to end: every test here launches the real trainer (conftest.launch) or works on a copy
+# of conftest.finished_run, which does.
+pytestmark = pytest.mark.slow
+
 
 def _break_invalid_state_json(step: Path) -> str:
     (step / "trainer_state.json").write_text('{"step": 3,')

@@ -55,6 +55,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
     env, args, stage = CASES[script]
