@@ -1,4 +1,4 @@
-"""Project layout rules that keep the pieces in sync (DESIGN §3, STYLE 4 and 6).
+"""Project rules that keep the pieces in sync (DESIGN §3, STYLE 4 and 6).
 
 - Only `align_anything/engine.py` imports `deepspeed` or `torch.distributed`.
 - The trainer registry, the task config files and the task sections of the config schema name
