@@ -150,11 +150,6 @@ def test_bad_input_is_reported_before_any_step(
     )
 
 
-def test_catalogue_size() -> None:
-    """The issue asks for at least 30 distinct bad inputs in this module."""
-    assert len({c[0] for c in CASES}) == len(CASES) >= 30
-
-
 def test_score_rejects_a_file_that_is_not_json(bad: Path, tmp_path: Path) -> None:
     source = tmp_path / "rows.jsonl"
     source.write_text('{"prompt": "hi", "response": "yo"}\nhello\n')

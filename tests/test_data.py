@@ -17,7 +17,6 @@ import torch
 from conftest import HH_FILE
 
 from align_anything.data import (
-    DataReport,
     collate_preference,
     collate_sft,
     encode_preference,
@@ -576,7 +575,8 @@ def test_end_to_end_sft_batch_from_file(tokenizer, tmp_path):
     assert batch["attention_mask"].sum(1).tolist() == lengths
     # The pad id is <|im_end|>, a real target token: only labels and the mask tell them apart.
     assert tokenizer.pad_token_id == IM_END
-    assert isinstance(load_report, DataReport) and "kept 2 of 2 rows" in encode_report.summary()
+    assert (load_report.format, load_report.kept) == ("conversation", 2)
+    assert "kept 2 of 2 rows" in encode_report.summary()
 
 
 def test_builtin_name_resolves_to_its_file(tmp_path, monkeypatch):

@@ -289,7 +289,6 @@ def test_one_rank_losses_match_frozen_values(
     losses = run.losses()
     assert len(losses) == STEPS and all(np.isfinite(losses))
     frozen = FROZEN[(modality, task)]
-    assert frozen is not None, f"no frozen losses for {(modality, task)}; logged {losses}"
     assert losses == pytest.approx(frozen, rel=FROZEN_RTOL), f"logged {losses}, frozen {frozen}"
     if task == "dpo":
         assert losses[0] == pytest.approx(np.log(2), abs=1e-6)
@@ -390,6 +389,7 @@ def test_audio_sft_export_generates(one_rank: dict[tuple[str, str], RunResult]) 
 def test_image_rm_export_loads_with_from_pretrained(
     one_rank: dict[tuple[str, str], RunResult],
 ) -> None:
+    from PIL import Image
     from transformers import AutoModelForSequenceClassification, AutoProcessor
 
     import align_anything.multimodal  # noqa: F401  (registers the reward-model classes)
@@ -398,7 +398,14 @@ def test_image_rm_export_loads_with_from_pretrained(
     final = run.output_dir / "final"
     model = AutoModelForSequenceClassification.from_pretrained(final, dtype=torch.float32)
     assert type(model).__name__ == "LlavaForRewardModel"
-    AutoProcessor.from_pretrained(final)
+    # The saved processor is the base model's: the same ids and the same pixels.
+    saved = AutoProcessor.from_pretrained(final)
+    base = load_processor(resolve_model_path(MODELS["image"]))
+    text = "<image>\nWhat colour is the shape?"
+    image = Image.new("RGB", (16, 16), (200, 10, 10))
+    got, expected = (p(text=[text], images=[image], return_tensors="pt") for p in (saved, base))
+    assert torch.equal(got["input_ids"], expected["input_ids"])
+    assert torch.equal(got["pixel_values"], expected["pixel_values"])
     assert "head" in run.summary_line("parts")
 
 

@@ -149,7 +149,7 @@ def test_extending_a_run_follows_the_new_schedule_and_says_so(
     rates = {m["step"]: m["learning_rate"] for m in result.train_steps() if m["step"] > 3}
     expected = {k + 1: 2e-3 * 0.5 * (1 + math.cos(math.pi * k / 6)) for k in (3, 4, 5)}
     assert rates == pytest.approx(expected, rel=1e-9)
-    assert expected[4] == pytest.approx(1e-3) and expected[5] == pytest.approx(5e-4)
+    assert rates[4] == pytest.approx(1e-3) and rates[5] == pytest.approx(5e-4)
 
 
 def test_checkpoint_files_are_read_without_unpickling(finished_run: RunResult, tmp_path) -> None:
