@@ -28,8 +28,16 @@ from typing import Any, NamedTuple
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# The real preference set beside the checkout (../shared/data; not copied into the repo).
-HH_FILE = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+# Real preference pairs: Anthropic's HH-RLHF harmless-base test split (MIT licence). The full file
+# when it is beside the checkout (../shared/data, not copied into the repo), else its first 64
+# rows shipped in tests/data (licence and origin in tests/data/hh-rlhf.LICENSE), so a clone on its
+# own passes too; ALIGN_ANYTHING_HH_FILE=PATH reads another copy (e.g. the sample on purpose).
+HH_FULL_FILE = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+HH_SAMPLE_FILE = REPO_ROOT / "tests" / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"
+HH_FILE = Path(
+    os.environ.get("ALIGN_ANYTHING_HH_FILE")
+    or (HH_FULL_FILE if HH_FULL_FILE.is_file() else HH_SAMPLE_FILE)
+)
 BIN_DIR = Path(sys.executable).parent
 # The venv's tools (deepspeed, torchrun, ninja) go *after* the rest of PATH, for this process and
 # every run it starts: DeepSpeed compiles its CPU ops with whichever ninja comes first, and two
