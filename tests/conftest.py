@@ -84,6 +84,11 @@ def in_process_offline(monkeypatch: pytest.MonkeyPatch) -> None:
     variables (the run must create its own one-process group)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # huggingface_hub reads HF_HUB_OFFLINE once, on import; where an earlier test imported it
+    # first, a hub lookup (e.g. of a misspelt model name) would retry online for ~20 s.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     for name in DIST_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
 
