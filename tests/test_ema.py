@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import SFT_ARGS, TINY_MODEL, RunResult, launch
 from safetensors.torch import load_file
 
 from align_anything.backend.universal import checkpoint_state_dict
 from align_anything.models.zoo import resolve_model_path
+
+# End to end: every test here launches the real trainer (conftest.launch).
+pytestmark = pytest.mark.slow
 
 # decay 0.5 over two steps: e2 = 0.5·(0.5·w0 + 0.5·w1) + 0.5·w2 = 0.25·w0 + 0.25·w1 + 0.5·w2,
 # with w0 the initial weights and w1, w2 the weights after steps 1 and 2.

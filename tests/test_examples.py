@@ -7,7 +7,11 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
 from conftest import REPO_ROOT, TINY_MODEL, launch
+
+# End to end: every test here launches the real trainer (conftest.launch).
+pytestmark = pytest.mark.slow
 
 BYO_README = REPO_ROOT / "examples" / "byo_dataset" / "README.md"
 

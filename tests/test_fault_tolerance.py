@@ -21,6 +21,9 @@ from typing import Any
 import pytest
 from conftest import COMMON, RunResult, _kill_group, finish, launch, spawn, tail
 
+# End to end: every test here launches the real trainer (conftest.launch).
+pytestmark = pytest.mark.slow
+
 # Same process layout, same numbers: a resumed step's loss equals the uninterrupted one to
 # float round-off (in practice bit for bit).
 SAME_LAYOUT_ATOL = 1e-6

@@ -23,6 +23,9 @@ from align_anything.data import collate_preference, encode_preference, load_reco
 from align_anything.forward import completion_forward
 from align_anything.models.zoo import resolve_model_path
 
+# End to end: every test here launches the real trainer (conftest.launch).
+pytestmark = pytest.mark.slow
+
 # Adapters start at zero; a larger rate than full fine-tuning's moves them visibly in 3 steps.
 LORA = [
     "model.lora.enabled=true",

@@ -27,6 +27,10 @@ from conftest import (
 from align_anything.tools import export
 from align_anything.train import main
 
+# End to end: every test here launches the real trainer (conftest.launch) or works on a copy
+# of conftest.finished_run, which does.
+pytestmark = pytest.mark.slow
+
 
 def _run_json(folder: Path) -> dict:
     return json.loads((folder / "run.json").read_text())

@@ -97,6 +97,7 @@ def test_plan_command_prints_every_preset(capsys: pytest.CaptureFixture[str]) ->
     assert "deepspeed=auto would choose z0" in out
 
 
+@pytest.mark.slow
 def test_train_with_auto_follows_the_planner(tmp_path: Path) -> None:
     """A budget between the ZeRO-0 and the offload estimates makes auto pick ZeRO-3 offload
     on one process (with one rank, ZeRO-2/3 partition nothing)."""

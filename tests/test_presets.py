@@ -531,6 +531,7 @@ def engine_probe(name: str) -> dict[str, Any]:
     return _PROBES[name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_deepspeed_accepts_each_resolved_preset(name: str) -> None:
     probe = engine_probe(name)
@@ -546,6 +547,7 @@ def test_deepspeed_accepts_each_resolved_preset(name: str) -> None:
     assert probe["second_loss"] < probe["first_loss"] - 1e-3
 
 
+@pytest.mark.slow
 def test_zero3_starts_from_the_same_loss_as_zero0_and_is_partitioned() -> None:
     zero0, zero3 = engine_probe("z0"), engine_probe("z3")
     assert zero3["zero_stage"] == 3 and zero0["zero_stage"] == 0

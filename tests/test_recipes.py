@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, DPO_ARGS, RECIPE_STEPS, RunResult, launch
+from conftest import COMMON, DPO_ARGS, RECIPE_STEPS, TINY_MODEL, RunResult, launch
 
 from align_anything.data import (
     collate_preference,
@@ -24,6 +24,10 @@ from align_anything.data import (
     split_records,
 )
 from align_anything.forward import completion_logps
+from align_anything.models.zoo import resolve_model_path
+
+# End to end: every test here launches the real trainer (conftest.launch).
+pytestmark = pytest.mark.slow
 
 LN2 = math.log(2.0)
 # Frozen values are compared with this relative tolerance: runs on one machine repeat to ~1e-7;
@@ -150,7 +154,15 @@ def test_final_folder_loads_with_from_pretrained(
     assert type(model).__name__.startswith("Llama")
     if auto_class == "AutoModelForSequenceClassification":
         assert model.config.num_labels == 1
-    transformers.AutoTokenizer.from_pretrained(final)
+    # The saved tokenizer encodes a conversation (chat template included) as the base model's does.
+    saved = transformers.AutoTokenizer.from_pretrained(final)
+    base = transformers.AutoTokenizer.from_pretrained(resolve_model_path(TINY_MODEL))
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    encoded = [
+        t.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        for t in (saved, base)
+    ]
+    assert encoded[0] == encoded[1]
     # The resolved configs travel with the weights (DESIGN §1), under names of their own.
     assert (final / "run_config.json").exists() and (final / "ds_config.json").exists()
 

@@ -55,6 +55,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
     env, args, stage = CASES[script]
@@ -179,6 +180,7 @@ def test_scripts_find_the_project_venv_without_activation() -> None:
 @pytest.mark.skipif(
     not (REPO_ROOT / ".venv" / "bin" / "python").exists(), reason="no .venv (make setup) here"
 )
+@pytest.mark.slow
 def test_an_example_runs_without_activating_the_venv(tmp_path: Path) -> None:
     env = {**_without_environment(), "MODEL": TINY_MODEL, "STEPS": "1", "OUT": str(tmp_path),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "NO_COLOR": "1"}  # fmt: skip

@@ -121,6 +121,7 @@ def test_only_a_trainable_plain_tied_pair_is_patched() -> None:
     assert tied_weight(scaled) is None
 
 
+@pytest.mark.slow
 def test_training_run_equals_the_autograd_path(sft_single: RunResult, runs_dir: Path) -> None:
     """The default SFT run (ZeRO-0, fp32) uses it and says so; switched off, the losses are the
     same to float rounding; under ZeRO-2 (hooks on gradient accumulation) it stays off."""

@@ -54,6 +54,7 @@ def _train_value(run: RunResult, step: int, key: str) -> float:
     return float(record[key])
 
 
+@pytest.mark.slow
 def test_tensorboard_events_hold_the_jsonl_numbers(tracked_run: RunResult) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -116,6 +117,7 @@ def _wandb_history(run_dir: Path) -> dict[int, dict[str, Any]]:
     return history
 
 
+@pytest.mark.slow
 def test_wandb_runs_offline_without_an_api_key(tracked_run: RunResult) -> None:
     assert "wandb: no API key configured, logging offline" in tracked_run.output
     run_dirs = sorted((tracked_run.output_dir / "wandb").glob("offline-run-*"))
@@ -129,6 +131,7 @@ def test_wandb_runs_offline_without_an_api_key(tracked_run: RunResult) -> None:
     assert history[STEPS]["eval/loss"] == pytest.approx(tracked_run.eval("after")["eval/loss"])
 
 
+@pytest.mark.slow
 def test_progress_lines_without_a_terminal(tracked_run: RunResult) -> None:
     """Output captured by a pipe (as in CI): one plain line per step with loss, tokens/s, ETA."""
     lines = [line for line in tracked_run.output.splitlines() if line.startswith("step ")]
@@ -160,6 +163,7 @@ def test_progress_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "<" in last  # tqdm's [elapsed<remaining]: the ETA
 
 
+@pytest.mark.slow
 def test_plot_draws_loss_and_task_metrics(tracked_run: RunResult, tmp_path: Path) -> None:
     from PIL import Image
 

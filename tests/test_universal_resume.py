@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import COMMON, RunResult, launch
 
+# End to end: every test here launches the real trainer (conftest.launch).
+pytestmark = pytest.mark.slow
+
 SFT = [
     "task=sft", *COMMON, "train.max_steps=4", "data.max_eval_samples=8",
     "train.learning_rate=1e-3", "checkpoint.every_steps=2", "checkpoint.keep_last=2",

@@ -1,4 +1,4 @@
-"""Project layout rules that keep the pieces in sync (DESIGN §3, STYLE 4 and 6).
+"""Project rules that keep the pieces in sync (DESIGN §3, STYLE 4 and 6).
 
 - Only `align_anything/backend/` imports `deepspeed` or `torch.distributed`.
 - Imports point one way, down the layers of DESIGN.md's reading order, with no cycle.

@@ -11,6 +11,7 @@ from conftest import DPO_ARGS, SFT_ARGS, RunResult, launch
 from align_anything.errors import ConfigError
 
 
+@pytest.mark.slow
 def test_dpo_with_checkpointing_equals_without(dpo_single: RunResult, runs_dir: Path) -> None:
     run = launch(
         [*DPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=4",
@@ -21,6 +22,7 @@ def test_dpo_with_checkpointing_equals_without(dpo_single: RunResult, runs_dir: 
     assert run.losses() == pytest.approx(dpo_single.check().losses(), rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_lora_sft_with_checkpointing_equals_without(tmp_path: Path) -> None:
     """LoRA freezes the embedding, so the checkpointed layers' inputs carry no gradient; the
     (non-reentrant) checkpoint still trains the adapters inside them, step for step alike."""

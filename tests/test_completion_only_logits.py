@@ -1,4 +1,5 @@
-"""The completion-only LM head gives exactly the numbers of the full-vocabulary path."""
+"""The completion-only LM head (`train.completion_only_logits`) gives exactly the numbers of the
+full-vocabulary path."""
 
 from __future__ import annotations
 
