@@ -6,9 +6,10 @@ import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import deepspeed
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 from align_anything.backend import zero_init
+from align_anything.errors import ConfigError, UserError
 
 
 @dataclass(frozen=True)
@@ -178,3 +180,21 @@ def sum_metrics(
     all_reduce_sum(packed)
     out = packed.tolist()
     return out[: len(keys)], out[len(keys) :]
+
+
+T = TypeVar("T")
+
+
+def decide_on_main(decide: Callable[[], T]) -> T:
+    """Run `decide` on rank 0 and give every rank its result, or its UserError as a
+    ConfigError on every rank (each must leave with the message, not wait for rank 0)."""
+    outcome: tuple[str | None, Any] = (None, None)
+    if dist_info().is_main:
+        try:
+            outcome = (None, decide())
+        except UserError as err:
+            outcome = (str(err), None)
+    error, value = broadcast_object(outcome)
+    if error:
+        raise ConfigError(error)
+    return value

@@ -11,10 +11,9 @@ step), `checkpoints` (the store, RNG state, resume checks), `output_dir` (lock a
 from __future__ import annotations
 
 import math
-import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -28,12 +27,11 @@ from align_anything.config import AUTO_PRESET, RunConfig
 from align_anything.data import DataReport, splits
 from align_anything.data.multimodal import MediaSupport
 from align_anything.errors import (
-    ConfigError,
     Preempted,
     UserError,
 )
 from align_anything.models import loading as model_loading
-from align_anything.models import lora, tied_embeddings, zoo
+from align_anything.models import tied_embeddings, zoo
 from align_anything.models.ema import WeightEMA
 from align_anything.models.prepare import prepare_for_training
 from align_anything.trainers import checkpoints, report
@@ -43,7 +41,6 @@ from align_anything.trainers.batching import (
     rank_step_rows,
     row_tokens,
     shard_chunks,
-    step_indices,
 )
 from align_anything.trainers.preemption import StopRequest, agreed_signal
 from align_anything.trainers.tracking import (
@@ -54,8 +51,6 @@ from align_anything.trainers.tracking import (
     check_backends,
     quiet_library_progress_bars,
 )
-
-T = TypeVar("T")
 
 
 class Trainer:
@@ -156,20 +151,6 @@ class Trainer:
     def ds_config(self) -> dict[str, Any]:
         return self.deepspeed.config
 
-    def _on_main(self, decide: Callable[[], T]) -> T:
-        """Run `decide` on rank 0 and give every rank its result, or its UserError (every rank
-        must leave with the error, not wait for rank 0)."""
-        outcome: tuple[str | None, Any] = (None, None)
-        if self.dist.is_main:
-            try:
-                outcome = (None, decide())
-            except UserError as err:
-                outcome = (str(err), None)
-        error, value = comm.broadcast_object(outcome)
-        if error:
-            raise ConfigError(error)
-        return value
-
     def _start_process(self) -> None:
         """Logging backends, the process group, seeds, and the output folder: the lock, and
         whether this run may write there and from which checkpoint it resumes."""
@@ -179,7 +160,7 @@ class Trainer:
         self.dist = comm.setup_distributed()
         checkpoints.seed_everything(self.cfg.train.seed)
         self._lock = outdir.Lock(self.output_dir)
-        self.run_id, resume = self._on_main(
+        self.run_id, resume = comm.decide_on_main(
             lambda: outdir.claim(
                 self.output_dir,
                 self._lock,
@@ -237,7 +218,7 @@ class Trainer:
         auto = None
         if cfg.deepspeed_source == AUTO_PRESET:
             # Rank 0 decides: ranks on other nodes may see other memory.
-            auto = self._on_main(lambda: plan.choose_auto_preset(cfg, world_size=world))
+            auto = comm.decide_on_main(lambda: plan.choose_auto_preset(cfg, world_size=world))
         state = None
         if self.resume_dir is not None:
             state = checkpoints.read_json(self.resume_dir / checkpoints.STATE)
@@ -424,14 +405,12 @@ class Trainer:
         return StepResult(dict(zip(keys, values, strict=True)), items, tokens, rate, grad_norm)
 
     def _log_train(self, window: MetricWindow, progress: Progress) -> None:
-        metrics = self.finalize_metrics(window.averages())
-        metrics.update(
-            epoch=self.step / self.steps_per_epoch,
-            **window.rates(samples=self.count_unit == "samples"),
+        metrics = window.metrics(
+            self.finalize_metrics(window.averages()), epoch=self.step / self.steps_per_epoch,
+            samples=self.count_unit == "samples",
             # fp16's dynamic loss scaler skips steps whose gradients overflowed.
             skipped_steps=self.engine.skipped_steps() if self.precision == "fp16" else None,
-        )
-        metrics = {k: v for k, v in metrics.items() if v is not None}
+        )  # fmt: skip
         self.history.append({"step": self.step, **metrics})
         if self.logger is not None:
             self.logger.log(self.step, metrics)
@@ -453,27 +432,18 @@ class Trainer:
         if signum:
             progress.close()
             path = self.save_checkpoint() if not saved else self._checkpoint_path(self.step)
-            raise Preempted(
-                f"stopped by {signal.Signals(signum).name} after step {self.step} of "
-                f"{self.total_steps}: checkpoint {path} is complete. Run the same command with "
-                "resume=auto to continue from it.",
-                signum,
-            )
+            raise Preempted(report.preempted(signum, self.step, self.total_steps, path), signum)
 
     def _stop_on_nonfinite(self, keys: list[str], values: list[float]) -> None:
         """Stop on a non-finite loss (before its update) or gradient norm (after the update,
         before any checkpoint could store it), naming the step and its rows."""
-        before_update = keys != ["grad_norm"]
-        step = self.step + 1 if before_update else self.step
-        epoch, in_epoch = divmod(step - 1, self.steps_per_epoch)
-        rows = step_indices(
-            len(self.train_rows), global_batch=self.batch_plan.global_batch,
-            seed=self.cfg.train.seed, epoch=epoch, step=in_epoch,
-        )  # fmt: skip
         good = checkpoints.last_complete(self.output_dir / "checkpoints", self.run_id)
         raise UserError(
-            report.nonfinite(keys, values, step=step, epoch=epoch, rows=rows, good=good)
-        )
+            report.nonfinite(
+                keys, values, step=self.step, rows=len(self.train_rows), batch=self.batch_plan,
+                seed=self.cfg.train.seed, steps_per_epoch=self.steps_per_epoch, good=good,
+            )
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ evaluation
 
@@ -544,26 +514,21 @@ class Trainer:
     # ------------------------------------------------------------------ export and end
 
     def save(self) -> Path | None:
-        """Export `output_dir/final` as a Hugging Face folder (safetensors + tokenizer; a LoRA
-        run writes its adapter there, and with `model.lora.save_merged` also `final-merged`)."""
+        """Export `output_dir/final` (see `checkpoints.save_final`). Collective."""
         if not self.cfg.checkpoint.save_final:
             return None
         state = self.engine.full_state_dict()
-        final = self.output_dir / "final"
         if self.dist.is_main:
-            saved = {"tokenizer": self.processor or self.tokenizer, "configs": self._configs()}
-            checkpoints.write_final(final, self.export_module(), state, **saved)
-            if self.ema is not None:
-                checkpoints.write_final(
-                    self.output_dir / "final-ema", self.export_module(),
-                    self.ema.state_dict(state), **saved,
-                )  # fmt: skip
-            if self.cfg.model.lora.enabled and self.cfg.model.lora.save_merged:
-                lora.merge_adapter_folder(
-                    final, self.model_path, self.output_dir / "final-merged", task=self.task
-                )
+            lora_cfg = self.cfg.model.lora
+            checkpoints.save_final(
+                self.output_dir, self.export_module(), state,
+                ema_state=self.ema.state_dict(state) if self.ema is not None else None,
+                tokenizer=self.processor or self.tokenizer, configs=self._configs(),
+                merge_onto=self.model_path if lora_cfg.enabled and lora_cfg.save_merged else None,
+                task=self.task,
+            )  # fmt: skip
         comm.barrier()
-        return final
+        return self.output_dir / "final"
 
     def cleanup(self, status: str = "failed") -> None:
         """Close sinks, print the summary (after a finished run), record the run's `status`

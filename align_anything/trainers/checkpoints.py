@@ -383,3 +383,20 @@ def write_final(
         tokenizer.save_pretrained(tmp)
         for name, data in configs.items():
             (tmp / name).write_text(atomic.to_json(data))
+
+
+def save_final(
+    output_dir: Path, module: Any, state: dict[str, torch.Tensor] | None, *,
+    ema_state: dict[str, torch.Tensor] | None, tokenizer: Any, configs: dict[str, Any],
+    merge_onto: str | None, task: str,
+) -> None:  # fmt: skip
+    """A run's exported folders (rank 0): `final/` (the model, or a LoRA run's adapter), with
+    an EMA `final-ema/`, and with `merge_onto` (the base model's path) `final-merged/`, the
+    adapter merged into the base weights."""
+    final = Path(output_dir) / "final"
+    write_final(final, module, state, tokenizer=tokenizer, configs=configs)
+    if ema_state is not None:
+        write_final(final.with_name("final-ema"), module, ema_state, tokenizer=tokenizer,
+                    configs=configs)  # fmt: skip
+    if merge_onto is not None:
+        lora.merge_adapter_folder(final, merge_onto, final.with_name("final-merged"), task=task)

@@ -156,15 +156,32 @@ def final_summary(t: Trainer) -> str:
     return "\n".join(lines)
 
 
+def preempted(signum: int, step: int, total: int, checkpoint: Path) -> str:
+    import signal
+
+    return (
+        f"stopped by {signal.Signals(signum).name} after step {step} of {total}: checkpoint "
+        f"{checkpoint} is complete. Run the same command with resume=auto to continue from it."
+    )
+
+
 def nonfinite(
-    keys: list[str], values: list[float], *, step: int, epoch: int, rows: list[int],
-    good: Path | None,
+    keys: list[str], values: list[float], *, step: int, rows: int, batch: Any, seed: int,
+    steps_per_epoch: int, good: Path | None,
 ) -> str:  # fmt: skip
-    """The message of a run stopped on a non-finite loss (`keys` of the step's metrics) or
-    gradient norm (`keys` == ["grad_norm"]): the step, its rows, the last good checkpoint."""
+    """The message of a run stopped on a non-finite loss (`keys` of the step's metrics, before
+    the update of step `step` + 1) or gradient norm (`keys` == ["grad_norm"], after the update
+    of step `step`): the step, its rows, the last good checkpoint."""
+    from align_anything.trainers.batching import step_indices
+
     before_update = keys != ["grad_norm"]
+    step = step + 1 if before_update else step
+    epoch, in_epoch = divmod(step - 1, steps_per_epoch)
+    rows_of_step = step_indices(
+        rows, global_batch=batch.global_batch, seed=seed, epoch=epoch, step=in_epoch
+    )
     bad = ", ".join(f"{k}={v}" for k, v in zip(keys, values, strict=True) if not math.isfinite(v))
-    shown = ", ".join(map(str, rows[:16])) + (", …" if len(rows) > 16 else "")
+    shown = ", ".join(map(str, rows_of_step[:16])) + (", …" if len(rows_of_step) > 16 else "")
     last = f"the last good checkpoint is {good}" if good else "no checkpoint was written"
     applied = (
         "its update was not applied"

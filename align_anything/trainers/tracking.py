@@ -213,6 +213,14 @@ class MetricWindow:
             "elapsed_seconds": now - self.start,
         }
 
+    def metrics(
+        self, averages: dict[str, float], *, epoch: float, samples: bool, **extra: Any
+    ) -> dict[str, Any]:
+        """One logged line: the window's averages, the rates, `epoch` and `extra` (None
+        values left out)."""
+        line = {**averages, "epoch": epoch, **self.rates(samples=samples), **extra}
+        return {k: v for k, v in line.items() if v is not None}
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
