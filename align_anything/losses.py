@@ -197,6 +197,11 @@ class _Pairs(NamedTuple):
             _per_token(self.policy_rejected, self.rejected_counts),
         )
 
+    def margins(self) -> tuple[Tensor, Tensor]:
+        """log π(y_c) − log π(y_r) of the policy and of the reference, per pair."""
+        assert self.ref_chosen is not None and self.ref_rejected is not None
+        return self.policy_chosen - self.policy_rejected, self.ref_chosen - self.ref_rejected
+
     def h(self, *, per_token: bool = False) -> Tensor:
         """r_c − r_r, the log-ratio difference of each pair."""
         chosen, rejected = self.logratios(per_token=per_token)
@@ -221,12 +226,7 @@ _TERMS: dict[str, Callable[[_Pairs], Tensor]] = {
     "exo_pair": lambda p: exo_pair_loss(*p.logratios(), beta=p.beta, epsilon=p.label_smoothing),
     "nca_pair": lambda p: nca_pair_loss(*p.logratios(), beta=p.beta),
     "sppo_hard": lambda p: sppo_hard_loss(*p.logratios(), beta=p.beta),
-    "aot": lambda p: aot_loss(
-        p.policy_chosen - p.policy_rejected,
-        _ref_margin(p),
-        beta=p.beta,
-        label_smoothing=p.label_smoothing,
-    ),  # fmt: skip
+    "aot": lambda p: aot_loss(*p.margins(), beta=p.beta, label_smoothing=p.label_smoothing),
     "aot_unpaired": lambda p: aot_unpaired_loss(
         *p.logratios(), beta=p.beta, label_smoothing=p.label_smoothing
     ),
@@ -234,11 +234,6 @@ _TERMS: dict[str, Callable[[_Pairs], Tensor]] = {
     "sigmoid_norm": lambda p: sigmoid_norm_loss(*p.logratios(per_token=True), beta=p.beta),
     "sft": lambda p: sft_loss(p.policy_chosen, p.chosen_counts),  # type: ignore[arg-type]
 }
-
-
-def _ref_margin(p: _Pairs) -> Tensor:
-    assert p.ref_chosen is not None and p.ref_rejected is not None
-    return p.ref_chosen - p.ref_rejected
 
 
 def _rewards(name: str, p: _Pairs) -> tuple[Tensor, Tensor]:

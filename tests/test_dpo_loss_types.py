@@ -10,6 +10,7 @@ entry point, where policy = reference makes each a known constant.
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,25 @@ def test_aot_two_ranks_match_one_rank_with_the_same_micro_batches(runs_dir: Path
     # eval/loss after training differs between them; before it, every log-ratio is 0 on both.
     for run in (two, one):
         assert run.eval("before")["eval/loss"] == pytest.approx(LN2, rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# The TRL agreement benchmark asks both sides for the same losses
+# ------------------------------------------------------------------------------------------
+
+
+def test_loss_agreement_cases_configure_both_sides_alike() -> None:
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(benchmarks))
+    try:
+        import dpo_loss_types_vs_trl as bench
+    finally:
+        sys.path.remove(str(benchmarks))
+    # Every new type has a case; each case's overrides give the run TRL's settings.
+    assert set(STEP1_LOSSES) <= set(bench.CASES)
+    for name, case in bench.CASES.items():
+        cfg = dpo_config(*bench.ours_overrides(case), "dpo.rpo_alpha=0")
+        weights = case.get("loss_weights") or [1.0] * len(case["loss_type"])
+        assert cfg.loss_terms() == (case["loss_type"], weights), name
+        assert cfg.label_smoothing == case.get("label_smoothing", 0.0), name
+        assert cfg.discopop_tau == 0.05  # TRL's default, which the TRL child passes
