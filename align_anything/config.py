@@ -9,12 +9,20 @@ here -> preset JSON loaded (duplicate keys rejected) with `deepspeed.*` override
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from align_anything.errors import ConfigError, did_you_mean
 
@@ -236,26 +244,49 @@ class SFTSection(_Section):
     )
 
 
-DPOLossType = Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"]
+# The loss types of `losses.dpo_loss` (config sits below losses in the layers, so it keeps its
+# own copy; tests/test_dpo_loss_types.py keeps the two equal), and the rules for combining them.
+DPO_LOSS_NAMES: tuple[str, ...] = (
+    "sigmoid", "ipo", "hinge", "robust", "simpo", "orpo",
+    "apo_zero", "apo_down", "bco_pair", "exo_pair", "nca_pair", "sppo_hard",
+    "aot", "aot_unpaired", "discopop", "sigmoid_norm", "sft",
+)  # fmt: skip
+# Reference-free preference losses: they cannot share a list with types that need a reference.
+_REFERENCE_FREE_PREFERENCE = ("simpo", "orpo")
+# Types that read dpo.label_smoothing.
+_SMOOTHED_LOSS_NAMES = ("sigmoid", "robust", "simpo", "exo_pair", "aot", "aot_unpaired")
+
+
+def _names(loss_type: str | list[str]) -> list[str]:
+    return [loss_type] if isinstance(loss_type, str) else list(loss_type)
 
 
 class DPOSection(_Section):
     beta: float = Field(
         gt=0, description="Strength of the pull towards the reference model (the beta of DPO)."
     )
-    loss_type: DPOLossType = Field(
-        description="sigmoid (DPO; with label_smoothing: cDPO), ipo, hinge, robust, or the reference-free simpo / orpo.",
+    loss_type: str | list[str] = Field(
+        description="One loss type or a list whose weighted sum is the loss (`[sigmoid,bco_pair,sft]`: MPO): sigmoid (DPO; with label_smoothing: cDPO), ipo, hinge, robust, the reference-free simpo / orpo, apo_zero, apo_down, bco_pair, exo_pair, nca_pair, sppo_hard, aot, aot_unpaired, discopop, sigmoid_norm, and sft (the chosen completion's NLL, token mean per pair; not alone). simpo / orpo do not mix with types that need a reference. rewards/* are those of the first type other than sft.",
+    )
+    loss_weights: list[float] | None = Field(
+        description="One weight >= 0 per `loss_type` entry, in order (MPO: `[0.8,0.2,1.0]`); null: all 1.0.",
     )
     label_smoothing: float = Field(
-        ge=0.0, lt=0.5, description="cDPO's epsilon for sigmoid; the noise rate for robust."
+        ge=0.0,
+        lt=0.5,
+        description="The probability a preference label is wrong: cDPO's epsilon for sigmoid, simpo, aot and aot_unpaired; the noise rate for robust; EXO's epsilon for exo_pair (> 0 there; the paper suggests 1e-3).",
     )
     simpo_gamma: float = Field(description="SimPO's target reward margin gamma.")
     orpo_lambda: float = Field(ge=0.0, description="Weight of ORPO's odds-ratio term.")
+    discopop_tau: float = Field(
+        gt=0.0, description="DiscoPOP's temperature tau (the paper's 0.05)."
+    )
     # Weight of a negative log-likelihood term on the chosen completion (token mean), added to
-    # the preference loss: RPO (Pang et al. 2024), TRL's `rpo_alpha`. 0 disables it.
+    # the preference loss: RPO (Pang et al. 2024), older TRL's `rpo_alpha` (TRL 1.16 has only the
+    # `sft` loss type). It appends ("sft", rpo_alpha) to the loss terms; 0 disables it.
     rpo_alpha: float = Field(
         ge=0.0,
-        description="Weight of an NLL term on the chosen completion (RPO, TRL's `rpo_alpha`); 0: plain DPO.",
+        description="Weight of an NLL term on the chosen completion (RPO): the same as appending `sft` to loss_type with this weight; listing sft yourself needs rpo_alpha=0. 0: plain DPO.",
     )
     # model: a frozen reference model beside the policy (ZeRO-3: a partitioned inference engine);
     # precompute: one no-grad pass over the data before training, then the reference is freed.
@@ -274,6 +305,104 @@ class DPOSection(_Section):
     generation_max_new_tokens: int = Field(
         ge=1, description="Token limit of each generation-check answer."
     )
+
+    @field_validator("loss_type", mode="before")
+    @classmethod
+    def _known_loss_types(cls, value: Any) -> Any:
+        names = [value] if isinstance(value, str) else value
+        allowed = ", ".join(repr(name) for name in DPO_LOSS_NAMES)
+        if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+            raise ValueError(f"Input should be {allowed} or a list of them")
+        unknown = [name for name in names if name not in DPO_LOSS_NAMES]
+        if unknown:
+            hints = "".join(did_you_mean(name, DPO_LOSS_NAMES) for name in unknown)
+            listed = "" if isinstance(value, str) else f"; unknown: {', '.join(map(repr, unknown))}"
+            raise ValueError(f"Input should be {allowed} or a list of them{listed}{hints}")
+        problems = []
+        if not names:
+            problems.append("the list is empty: give at least one loss type")
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            problems.append(
+                f"{', '.join(repeated)} listed more than once: list each type once and weight "
+                "it in dpo.loss_weights"
+            )
+        if names and set(names) == {"sft"}:
+            problems.append(
+                "sft alone is no preference loss: list it beside one (e.g. [sigmoid,sft]); for "
+                "supervised fine-tuning use task=sft"
+            )
+        free = [name for name in names if name in _REFERENCE_FREE_PREFERENCE]
+        with_reference = [n for n in names if n not in (*_REFERENCE_FREE_PREFERENCE, "sft")]
+        if free and with_reference:
+            problems.append(
+                f"the reference-free {', '.join(free)} cannot be combined with types that need a "
+                f"reference model (here {', '.join(with_reference)}); sft goes with both"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("loss_weights")
+    @classmethod
+    def _one_weight_per_type(
+        cls, value: list[float] | None, info: ValidationInfo
+    ) -> list[float] | None:
+        if value is None:
+            return value
+        problems = []
+        if "loss_type" in info.data:
+            names = _names(info.data["loss_type"])
+            if len(value) != len(names):
+                problems.append(
+                    f"{len(value)} weights for {len(names)} loss types ({', '.join(names)}): "
+                    "give one per dpo.loss_type entry, in the same order, or null for all 1.0"
+                )
+        bad = [w for w in value if not math.isfinite(w) or w < 0]
+        if bad:
+            problems.append(f"weights must be finite and >= 0, got {', '.join(map(str, bad))}")
+        elif value and not any(w > 0 for w in value):
+            problems.append("at least one weight must be > 0")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return value
+
+    @field_validator("label_smoothing")
+    @classmethod
+    def _smoothing_applies(cls, value: float, info: ValidationInfo) -> float:
+        if "loss_type" not in info.data:
+            return value
+        names = _names(info.data["loss_type"])
+        if "exo_pair" in names and value == 0:
+            raise ValueError(
+                "exo_pair needs label_smoothing > 0 (EXO's epsilon; its paper suggests 1e-3)"
+            )
+        if value and not any(name in _SMOOTHED_LOSS_NAMES for name in names):
+            raise ValueError(
+                f"has no effect with loss_type {', '.join(names)}: it applies to "
+                f"{', '.join(_SMOOTHED_LOSS_NAMES)}; leave it at 0.0"
+            )
+        return value
+
+    @field_validator("rpo_alpha")
+    @classmethod
+    def _sft_once(cls, value: float, info: ValidationInfo) -> float:
+        if value and "sft" in _names(info.data.get("loss_type", [])):
+            raise ValueError(
+                f"dpo.loss_type lists sft and rpo_alpha={value} would add it a second time: set "
+                "dpo.rpo_alpha=0 and weight sft in dpo.loss_weights, or drop sft from the list"
+            )
+        return value
+
+    def loss_terms(self) -> tuple[list[str], list[float]]:
+        """The loss types a run sums and their weights: loss_type with loss_weights (null: all
+        1.0), then sft with weight rpo_alpha when rpo_alpha > 0 (RPO as a term of the sum)."""
+        names = _names(self.loss_type)
+        weights = list(self.loss_weights) if self.loss_weights else [1.0] * len(names)
+        if self.rpo_alpha:
+            names.append("sft")
+            weights.append(self.rpo_alpha)
+        return names, weights
 
 
 class RMSection(_Section):

@@ -3,23 +3,50 @@
 Every function here is pure: tensors in, tensors out. No config objects, no distributed calls;
 the trainers turn config values into the keyword arguments below. (Log-probs come from
 `align_anything.forward`; SFT's loss is the negative of their sum.)
+
+`dpo_loss` combines one or more named loss types (`DPO_LOSS_TYPES`) with weights; each type
+added after the first six is also a function of its own (`apo_zero_loss`, `bco_pair_loss`, ...)
+with the paper it comes from in its docstring.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# The loss types `dpo_loss` understands; the trainer config validates against this tuple.
-DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
-REFERENCE_FREE_LOSS_TYPES: tuple[str, ...] = ("simpo", "orpo")
+# The loss types `dpo_loss` understands. The run config keeps its own copy of these names
+# (config.py sits below this module in the layers); a test keeps the two equal.
+DPO_LOSS_TYPES: tuple[str, ...] = (
+    "sigmoid", "ipo", "hinge", "robust", "simpo", "orpo",
+    "apo_zero", "apo_down", "bco_pair", "exo_pair", "nca_pair", "sppo_hard",
+    "aot", "aot_unpaired", "discopop", "sigmoid_norm", "sft",
+)  # fmt: skip
+# Types that read no reference log-probs. simpo and orpo are whole preference losses without a
+# reference and may not share a list with a type that needs one; sft goes with any type.
+REFERENCE_FREE_LOSS_TYPES: tuple[str, ...] = ("simpo", "orpo", "sft")
+_REFERENCE_FREE_PREFERENCE: tuple[str, ...] = ("simpo", "orpo")
 # Types whose formula uses length-normalised log-probs, so token counts are required.
-_NEEDS_TOKEN_COUNTS: tuple[str, ...] = ("ipo", "simpo", "orpo")
-_SMOOTHED_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "robust", "simpo")
+_NEEDS_TOKEN_COUNTS: tuple[str, ...] = ("ipo", "simpo", "orpo", "sigmoid_norm", "sft")
+# Types whose log-ratios (and so their logged rewards) are per-token averages.
+_PER_TOKEN_LOGRATIOS: tuple[str, ...] = ("ipo", "sigmoid_norm")
+# Types that read label_smoothing: a preference label's flip probability (cDPO, robust, aot), or
+# EXO's ε, the weight its target distribution gives the rejected completion.
+_SMOOTHED_LOSS_TYPES: tuple[str, ...] = (
+    "sigmoid", "robust", "simpo", "exo_pair", "aot", "aot_unpaired",
+)  # fmt: skip
+# Types that sort the batch they are given: their per-pair losses depend on the other pairs of
+# that batch (in the trainer: the micro-batch of one rank).
+BATCH_SORTED_LOSS_TYPES: tuple[str, ...] = ("aot", "aot_unpaired")
+
+
+def needs_reference(loss_types: Sequence[str]) -> bool:
+    """Whether a combination of loss types reads reference log-probs."""
+    return any(name not in REFERENCE_FREE_LOSS_TYPES for name in loss_types)
 
 
 # --------------------------------------------------------------------------------------------
@@ -30,14 +57,19 @@ _SMOOTHED_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "robust", "simpo")
 class DPOLossOutput(NamedTuple):
     """Per-pair results of `dpo_loss`; take `losses.mean()` for the batch loss.
 
-    `chosen_rewards` / `rejected_rewards` are detached implicit rewards for logging:
-    β·(policy − reference) for the reference-based types, β·(length-normalised policy
-    log-prob) for simpo and orpo, computed on the same log-probs the loss used.
+    `losses` is the weighted sum of the types' losses, pair by pair. `chosen_rewards` /
+    `rejected_rewards` are detached implicit rewards for logging, those of the first listed
+    type other than sft, computed on the same log-probs its loss used: β·(policy − reference)
+    for the reference-based types (per-token averages for ipo and sigmoid_norm, whose
+    log-ratios are length-normalised), β·(length-normalised policy log-prob) for simpo and
+    orpo. `terms` maps each listed type to its unweighted per-pair loss; for aot and
+    aot_unpaired entry i belongs to the i-th smallest log-ratio of the batch, not to pair i.
     """
 
     losses: Tensor
     chosen_rewards: Tensor
     rejected_rewards: Tensor
+    terms: dict[str, Tensor]
 
 
 def _log1mexp(x: Tensor) -> Tensor:
@@ -61,17 +93,22 @@ def dpo_loss(
     ref_rejected_logps: Tensor | None = None,
     *,
     beta: float,
-    loss_type: str = "sigmoid",
+    loss_type: str | Sequence[str] = "sigmoid",
+    loss_weights: Sequence[float] | None = None,
     label_smoothing: float = 0.0,
     chosen_token_counts: Tensor | None = None,
     rejected_token_counts: Tensor | None = None,
     simpo_gamma: float = 0.5,
     orpo_lambda: float = 0.1,
+    discopop_tau: float = 0.05,
 ) -> DPOLossOutput:
     """Preference losses from summed completion log-probs, one loss per (chosen, rejected) pair.
 
     All log-prob arguments are [B] sums over completion tokens, as `completion_logps` returns.
-    With the log-ratio difference h = (π_c − ref_c) − (π_r − ref_r) and z = β·h:
+    `loss_type` is one name or a list; the per-pair loss is Σ wₖ·lossₖ over the listed types with
+    `loss_weights` (None: all 1.0), as in MPO (Wang et al. 2024, arXiv:2411.10442:
+    `[sigmoid, bco_pair, sft]` with weights `[0.8, 0.2, 1.0]`). With the log-ratios
+    r = log π − log π_ref of each completion, h = r_c − r_r and z = β·h:
 
     - sigmoid: −(1−ε)·logσ(z) − ε·logσ(−z). ε = label_smoothing ∈ [0, 0.5] is the
       conservative DPO flip probability; ε = 0 is plain DPO (Rafailov et al. 2023).
@@ -89,83 +126,172 @@ def dpo_loss(
       mean, per pair; the original ORPO averages over all chosen tokens of the batch
       instead, which differs only when completion lengths differ. β scales only the logged
       rewards.
+    - apo_zero, apo_down, bco_pair, exo_pair (ε = label_smoothing), nca_pair, sppo_hard,
+      aot, aot_unpaired (both sort the batch; ε as in sigmoid), discopop (τ = discopop_tau),
+      sigmoid_norm, sft: see the function of the same name + `_loss`.
 
-    simpo and orpo are reference-free: the ref arguments may be None and are ignored.
+    simpo, orpo and sft are reference-free: when every listed type is, the ref arguments may
+    be None and are ignored. simpo and orpo cannot be listed with a type that needs a
+    reference (their rewards and the reference's absence would both be ill-defined); sft
+    goes with any type, and alone is no preference loss.
 
     Raises:
-        ValueError: unknown loss_type (the message lists DPO_LOSS_TYPES), an input the loss
-            type needs but was not given, mismatched shapes, or an out-of-range parameter.
+        ValueError: unknown or repeated loss types (the message lists DPO_LOSS_TYPES), a
+            combination that is not allowed, weights that do not fit, an input the loss types
+            need but was not given, mismatched shapes, or an out-of-range parameter.
     """
+    names = (loss_type,) if isinstance(loss_type, str) else tuple(loss_type)
+    weights = [1.0] * len(names) if loss_weights is None else [float(w) for w in loss_weights]
     _check_dpo_arguments(
-        loss_type, beta, label_smoothing, policy_chosen_logps, policy_rejected_logps,
-        ref_chosen_logps, ref_rejected_logps, chosen_token_counts, rejected_token_counts,
+        names, weights, beta, label_smoothing, discopop_tau, policy_chosen_logps,
+        policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_token_counts,
+        rejected_token_counts,
     )  # fmt: skip
-    if loss_type in REFERENCE_FREE_LOSS_TYPES:
-        assert chosen_token_counts is not None and rejected_token_counts is not None
-        return _reference_free_loss(
-            loss_type, beta, label_smoothing, simpo_gamma, orpo_lambda,
-            _per_token(policy_chosen_logps, chosen_token_counts),
-            _per_token(policy_rejected_logps, rejected_token_counts),
-        )  # fmt: skip
-    assert ref_chosen_logps is not None and ref_rejected_logps is not None
-    if loss_type == "ipo":
-        assert chosen_token_counts is not None and rejected_token_counts is not None
-        policy_chosen_logps = _per_token(policy_chosen_logps, chosen_token_counts)
-        ref_chosen_logps = _per_token(ref_chosen_logps, chosen_token_counts)
-        policy_rejected_logps = _per_token(policy_rejected_logps, rejected_token_counts)
-        ref_rejected_logps = _per_token(ref_rejected_logps, rejected_token_counts)
-    chosen_logratios = policy_chosen_logps - ref_chosen_logps
-    rejected_logratios = policy_rejected_logps - ref_rejected_logps
-    h = chosen_logratios - rejected_logratios
-    z = beta * h
-    if loss_type == "sigmoid":
-        losses = _smoothed_sigmoid_loss(z, label_smoothing)
-    elif loss_type == "ipo":
-        losses = (h - 1.0 / (2.0 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1.0 - z)
-    else:  # robust
-        eps = label_smoothing
-        losses = ((1 - eps) * -F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
-    return DPOLossOutput(
-        losses, (beta * chosen_logratios).detach(), (beta * rejected_logratios).detach()
-    )
+    pairs = _Pairs(
+        policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps,
+        chosen_token_counts, rejected_token_counts, beta, label_smoothing, simpo_gamma,
+        orpo_lambda, discopop_tau,
+    )  # fmt: skip
+    terms = {name: _TERMS[name](pairs) for name in names}
+    losses: Tensor | None = None
+    for name, weight in zip(names, weights, strict=True):
+        weighted = weight * terms[name]
+        losses = weighted if losses is None else losses + weighted
+    assert losses is not None
+    chosen_rewards, rejected_rewards = _rewards(next(n for n in names if n != "sft"), pairs)
+    return DPOLossOutput(losses, chosen_rewards, rejected_rewards, terms)
+
+
+class _Pairs(NamedTuple):
+    """`dpo_loss`'s inputs, as each type's formula reads them."""
+
+    policy_chosen: Tensor
+    policy_rejected: Tensor
+    ref_chosen: Tensor | None
+    ref_rejected: Tensor | None
+    chosen_counts: Tensor | None
+    rejected_counts: Tensor | None
+    beta: float
+    label_smoothing: float
+    simpo_gamma: float
+    orpo_lambda: float
+    discopop_tau: float
+
+    def logratios(self, *, per_token: bool = False) -> tuple[Tensor, Tensor]:
+        """(r_c, r_r): log π − log π_ref of each completion, summed or averaged over tokens."""
+        assert self.ref_chosen is not None and self.ref_rejected is not None
+        policy_chosen, policy_rejected = self.policy_chosen, self.policy_rejected
+        ref_chosen, ref_rejected = self.ref_chosen, self.ref_rejected
+        if per_token:
+            policy_chosen, policy_rejected = self.per_token_policy()
+            assert self.chosen_counts is not None and self.rejected_counts is not None
+            ref_chosen = _per_token(ref_chosen, self.chosen_counts)
+            ref_rejected = _per_token(ref_rejected, self.rejected_counts)
+        return policy_chosen - ref_chosen, policy_rejected - ref_rejected
+
+    def per_token_policy(self) -> tuple[Tensor, Tensor]:
+        """The policy's log-probs averaged over each completion's tokens."""
+        assert self.chosen_counts is not None and self.rejected_counts is not None
+        return (
+            _per_token(self.policy_chosen, self.chosen_counts),
+            _per_token(self.policy_rejected, self.rejected_counts),
+        )
+
+    def margins(self) -> tuple[Tensor, Tensor]:
+        """log π(y_c) − log π(y_r) of the policy and of the reference, per pair."""
+        assert self.ref_chosen is not None and self.ref_rejected is not None
+        return self.policy_chosen - self.policy_rejected, self.ref_chosen - self.ref_rejected
+
+    def h(self, *, per_token: bool = False) -> Tensor:
+        """r_c − r_r, the log-ratio difference of each pair."""
+        chosen, rejected = self.logratios(per_token=per_token)
+        return chosen - rejected
+
+
+def _robust_loss(z: Tensor, eps: float) -> Tensor:
+    return ((1 - eps) * -F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+
+
+# Each type's per-pair loss from the prepared inputs: the dispatch of `dpo_loss`.
+_TERMS: dict[str, Callable[[_Pairs], Tensor]] = {
+    "sigmoid": lambda p: _smoothed_sigmoid_loss(p.beta * p.h(), p.label_smoothing),
+    "ipo": lambda p: (p.h(per_token=True) - 1.0 / (2.0 * p.beta)) ** 2,
+    "hinge": lambda p: torch.relu(1.0 - p.beta * p.h()),
+    "robust": lambda p: _robust_loss(p.beta * p.h(), p.label_smoothing),
+    "simpo": lambda p: _simpo_loss(*p.per_token_policy(), p.beta, p.simpo_gamma, p.label_smoothing),
+    "orpo": lambda p: _orpo_loss(*p.per_token_policy(), p.orpo_lambda),
+    "apo_zero": lambda p: apo_zero_loss(*p.logratios(), beta=p.beta),
+    "apo_down": lambda p: apo_down_loss(*p.logratios(), beta=p.beta),
+    "bco_pair": lambda p: bco_pair_loss(*p.logratios(), beta=p.beta),
+    "exo_pair": lambda p: exo_pair_loss(*p.logratios(), beta=p.beta, epsilon=p.label_smoothing),
+    "nca_pair": lambda p: nca_pair_loss(*p.logratios(), beta=p.beta),
+    "sppo_hard": lambda p: sppo_hard_loss(*p.logratios(), beta=p.beta),
+    "aot": lambda p: aot_loss(*p.margins(), beta=p.beta, label_smoothing=p.label_smoothing),
+    "aot_unpaired": lambda p: aot_unpaired_loss(
+        *p.logratios(), beta=p.beta, label_smoothing=p.label_smoothing
+    ),
+    "discopop": lambda p: discopop_loss(*p.logratios(), beta=p.beta, tau=p.discopop_tau),
+    "sigmoid_norm": lambda p: sigmoid_norm_loss(*p.logratios(per_token=True), beta=p.beta),
+    "sft": lambda p: sft_loss(p.policy_chosen, p.chosen_counts),  # type: ignore[arg-type]
+}
+
+
+def _rewards(name: str, p: _Pairs) -> tuple[Tensor, Tensor]:
+    """The implicit rewards `name` defines (see `DPOLossOutput`), detached."""
+    if name in _REFERENCE_FREE_PREFERENCE:
+        chosen, rejected = p.per_token_policy()
+    else:
+        chosen, rejected = p.logratios(per_token=name in _PER_TOKEN_LOGRATIOS)
+    return (p.beta * chosen).detach(), (p.beta * rejected).detach()
 
 
 def _check_dpo_arguments(
-    loss_type: str, beta: float, label_smoothing: float, policy_chosen_logps: Tensor,
-    policy_rejected_logps: Tensor, ref_chosen_logps: Tensor | None,
-    ref_rejected_logps: Tensor | None, chosen_token_counts: Tensor | None,
-    rejected_token_counts: Tensor | None,
+    names: tuple[str, ...], weights: list[float], beta: float, label_smoothing: float,
+    discopop_tau: float, policy_chosen_logps: Tensor, policy_rejected_logps: Tensor,
+    ref_chosen_logps: Tensor | None, ref_rejected_logps: Tensor | None,
+    chosen_token_counts: Tensor | None, rejected_token_counts: Tensor | None,
 ) -> None:  # fmt: skip
     """`dpo_loss`'s argument checks: each problem is a ValueError naming it."""
-    if loss_type not in DPO_LOSS_TYPES:
+    shown = repr(names[0]) if len(names) == 1 else repr(list(names))
+    unknown = [name for name in names if name not in DPO_LOSS_TYPES]
+    if unknown or not names:
         raise ValueError(
-            f"unknown DPO loss_type {loss_type!r}; expected one of {', '.join(DPO_LOSS_TYPES)}"
+            f"unknown DPO loss_type {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"expected one of {', '.join(DPO_LOSS_TYPES)}, or a list of them"
         )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"loss_type={shown} lists {', '.join(repeated)} more than once: list each type "
+            "once and weight it in loss_weights"
+        )
+    if set(names) == {"sft"}:
+        raise ValueError(
+            "loss_type='sft' alone is no preference loss: list it beside a preference type"
+        )
+    if needs_reference(names) and any(n in _REFERENCE_FREE_PREFERENCE for n in names):
+        raise ValueError(
+            f"loss_type={shown} mixes the reference-free {', '.join(_REFERENCE_FREE_PREFERENCE)} "
+            "with types that need a reference: use them without the others (sft goes with both)"
+        )
+    if len(weights) != len(names):
+        raise ValueError(
+            f"{len(weights)} loss_weights for {len(names)} loss types {shown}: give one weight "
+            "per type, in the same order"
+        )
+    if any(not math.isfinite(w) or w < 0 for w in weights) or not any(w > 0 for w in weights):
+        raise ValueError(f"loss_weights must be finite and >= 0, one at least > 0; got {weights}")
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
-    if label_smoothing and loss_type not in _SMOOTHED_LOSS_TYPES:
-        raise ValueError(
-            f"label_smoothing={label_smoothing} has no effect with loss_type={loss_type!r}; "
-            f"it applies to {', '.join(_SMOOTHED_LOSS_TYPES)}"
-        )
-    # robust divides by 1 - 2ε, so it excludes ε = 0.5; cDPO at ε = 0.5 is merely uninformative.
-    robust = loss_type == "robust"
-    below_max = label_smoothing < 0.5 if robust else label_smoothing <= 0.5
-    if label_smoothing < 0 or not below_max:
-        allowed = "[0, 0.5)" if robust else "[0, 0.5]"
-        raise ValueError(
-            f"label_smoothing for loss_type={loss_type!r} must be in {allowed}, "
-            f"got {label_smoothing}"
-        )
+    if "discopop" in names and not discopop_tau > 0:
+        raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}")
+    _check_label_smoothing(names, shown, label_smoothing)
 
-    reference_free = loss_type in REFERENCE_FREE_LOSS_TYPES
     named: dict[str, Tensor | None] = {
         "policy_chosen_logps": policy_chosen_logps,
         "policy_rejected_logps": policy_rejected_logps,
     }
-    if not reference_free:
+    if needs_reference(names):
         missing = [
             name
             for name, value in (
@@ -176,15 +302,15 @@ def _check_dpo_arguments(
         ]
         if missing:
             raise ValueError(
-                f"loss_type={loss_type!r} needs reference log-probs; missing {', '.join(missing)} "
+                f"loss_type={shown} needs reference log-probs; missing {', '.join(missing)} "
                 f"(reference-free types: {', '.join(REFERENCE_FREE_LOSS_TYPES)})"
             )
         named["ref_chosen_logps"] = ref_chosen_logps
         named["ref_rejected_logps"] = ref_rejected_logps
-    if loss_type in _NEEDS_TOKEN_COUNTS:
+    if any(name in _NEEDS_TOKEN_COUNTS for name in names):
         if chosen_token_counts is None or rejected_token_counts is None:
             raise ValueError(
-                f"loss_type={loss_type!r} uses length-normalised log-probs; pass "
+                f"loss_type={shown} uses length-normalised log-probs; pass "
                 "chosen_token_counts and rejected_token_counts (the counts from completion_logps)"
             )
         named["chosen_token_counts"] = chosen_token_counts
@@ -196,29 +322,215 @@ def _check_dpo_arguments(
         raise ValueError(f"dpo_loss inputs must share one shape, got {shapes}")
 
 
-def _reference_free_loss(
-    loss_type: str, beta: float, label_smoothing: float, simpo_gamma: float, orpo_lambda: float,
-    avg_chosen: Tensor, avg_rejected: Tensor,
-) -> DPOLossOutput:  # fmt: skip
-    """simpo and orpo from per-token average log-probs (see `dpo_loss`)."""
-    chosen_rewards = (beta * avg_chosen).detach()
-    rejected_rewards = (beta * avg_rejected).detach()
-    if loss_type == "simpo":
-        z = beta * (avg_chosen - avg_rejected) - simpo_gamma
-        losses = _smoothed_sigmoid_loss(z, label_smoothing)
-    else:
-        # log p can round to exactly 0 for a near-certain completion; log(1 - 1) would make
-        # the log-odds infinite, so keep avg strictly below 0.
-        eps = 1e-6
-        log_odds_chosen = avg_chosen - _log1mexp(avg_chosen.clamp(max=-eps))
-        log_odds_rejected = avg_rejected - _log1mexp(avg_rejected.clamp(max=-eps))
-        losses = -avg_chosen - orpo_lambda * F.logsigmoid(log_odds_chosen - log_odds_rejected)
-    return DPOLossOutput(losses, chosen_rewards, rejected_rewards)
+def _check_label_smoothing(names: tuple[str, ...], shown: str, label_smoothing: float) -> None:
+    smoothed = [name for name in names if name in _SMOOTHED_LOSS_TYPES]
+    if label_smoothing and not smoothed:
+        raise ValueError(
+            f"label_smoothing={label_smoothing} has no effect with loss_type={shown}; "
+            f"it applies to {', '.join(_SMOOTHED_LOSS_TYPES)}"
+        )
+    # robust divides by 1 - 2ε, so it excludes ε = 0.5; cDPO at ε = 0.5 is merely uninformative.
+    # EXO takes log ε, so it needs ε > 0.
+    above_min = label_smoothing > 0 if "exo_pair" in names else label_smoothing >= 0
+    below_max = label_smoothing < 0.5 if "robust" in names else label_smoothing <= 0.5
+    if not (above_min and below_max):
+        allowed = ("(0" if "exo_pair" in names else "[0") + (
+            ", 0.5)" if "robust" in names else ", 0.5]"
+        )
+        raise ValueError(
+            f"label_smoothing for loss_type={shown} must be in {allowed}, got {label_smoothing}"
+            + (" (exo_pair takes log ε; its paper suggests 1e-3)" if "exo_pair" in names else "")
+        )
+
+
+def _simpo_loss(
+    avg_chosen: Tensor, avg_rejected: Tensor, beta: float, gamma: float, label_smoothing: float
+) -> Tensor:
+    """simpo from per-token average log-probs (see `dpo_loss`)."""
+    return _smoothed_sigmoid_loss(beta * (avg_chosen - avg_rejected) - gamma, label_smoothing)
+
+
+def _orpo_loss(avg_chosen: Tensor, avg_rejected: Tensor, orpo_lambda: float) -> Tensor:
+    """orpo from per-token average log-probs (see `dpo_loss`)."""
+    # log p can round to exactly 0 for a near-certain completion; log(1 - 1) would make
+    # the log-odds infinite, so keep avg strictly below 0.
+    eps = 1e-6
+    log_odds_chosen = avg_chosen - _log1mexp(avg_chosen.clamp(max=-eps))
+    log_odds_rejected = avg_rejected - _log1mexp(avg_rejected.clamp(max=-eps))
+    return -avg_chosen - orpo_lambda * F.logsigmoid(log_odds_chosen - log_odds_rejected)
 
 
 def _smoothed_sigmoid_loss(z: Tensor, label_smoothing: float) -> Tensor:
     # The preference label is taken as wrong with probability label_smoothing (cDPO).
     return -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+
+
+# --------------------------------------------------------------------------------------------
+# The types added for TRL parity. Arguments named *_logratios are r = log π − log π_ref of
+# each completion, [B] sums over its tokens unless the docstring says otherwise.
+# --------------------------------------------------------------------------------------------
+
+
+def apo_zero_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, *, beta: float) -> Tensor:
+    """APO-zero: 1 − σ(β·r_c) + σ(β·r_r), per pair.
+
+    Anchored Preference Optimization (D'Oosterlinck et al. 2024, "Anchored Preference
+    Optimization and Contrastive Revisions", arXiv:2408.06266, eq. 7): each completion is
+    anchored to the reference separately, raising the chosen one's likelihood and lowering the
+    rejected one's; for chosen answers better than the model's own. The paper's form
+    −σ(β·r_c) + σ(β·r_r) is shifted by 1 (as TRL does), so that it lies in [0, 2]; the
+    gradients are the same.
+    """
+    return 1.0 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
+
+
+def apo_down_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, *, beta: float) -> Tensor:
+    """APO-down: σ(β·r_c) + 1 − σ(β·(r_c − r_r)), per pair.
+
+    D'Oosterlinck et al. 2024 (arXiv:2408.06266, eq. 8), for chosen answers worse than the
+    model's own: both likelihoods go down, the rejected one's more. The paper's form
+    σ(β·r_c) − σ(β·(r_c − r_r)) is shifted by 1 (as TRL does); the gradients are the same.
+    """
+    return (
+        torch.sigmoid(beta * chosen_logratios)
+        + 1.0
+        - torch.sigmoid(beta * (chosen_logratios - rejected_logratios))
+    )
+
+
+def bco_pair_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, *, beta: float) -> Tensor:
+    """Binary classifier loss on a pair: −logσ(β·r_c) − logσ(−β·r_r).
+
+    BCO (Jung et al. 2024, "Binary Classifier Optimization for Large Language Model
+    Alignment", arXiv:2404.04656): the implicit reward β·r is the logit of a classifier with
+    chosen = 1 and rejected = 0. The paper shifts both rewards by δ, a running mean of the
+    rewards over training; TRL 1.16's `bco_pair` keeps no such state (δ = 0), and so does this
+    function: a δ would be state across steps, to be all-reduced over ranks and saved in
+    checkpoints for an exact resume.
+    """
+    return -F.logsigmoid(beta * chosen_logratios) - F.logsigmoid(-beta * rejected_logratios)
+
+
+def exo_pair_loss(
+    chosen_logratios: Tensor, rejected_logratios: Tensor, *, beta: float, epsilon: float
+) -> Tensor:
+    """EXO on a pair: KL(q ‖ p) with q = (σ(z), σ(−z)), z = β·(r_c − r_r), p = (1 − ε, ε).
+
+    Efficient Exact Optimization (Ji et al. 2024, "Towards Efficient Exact Optimization of
+    Language Model Alignment", arXiv:2402.00856, EXO-pref with K = 2): the policy's
+    distribution over {chosen, rejected} is pulled towards the preference label smoothed by
+    ε ∈ (0, 0.5] (the paper suggests 1e-3). Written out:
+    σ(z)·(logσ(z) − log(1 − ε)) + σ(−z)·(logσ(−z) − log ε), ≥ 0, 0 where σ(z) = 1 − ε.
+    """
+    if not 0 < epsilon <= 0.5:
+        raise ValueError(f"exo_pair needs epsilon in (0, 0.5], got {epsilon}")
+    z = beta * (chosen_logratios - rejected_logratios)
+    log_q_chosen, log_q_rejected = F.logsigmoid(z), F.logsigmoid(-z)
+    return log_q_chosen.exp() * (log_q_chosen - math.log1p(-epsilon)) + log_q_rejected.exp() * (
+        log_q_rejected - math.log(epsilon)
+    )
+
+
+def nca_pair_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, *, beta: float) -> Tensor:
+    """NCA on a pair: −logσ(β·r_c) − ½·logσ(−β·r_c) − ½·logσ(−β·r_r).
+
+    Noise Contrastive Alignment (Chen et al. 2024, "Noise Contrastive Alignment of Language
+    Models with Explicit Rewards", arXiv:2402.05369), the pairwise form: the chosen
+    completion is classified as data against both completions as noise, which bounds how far
+    the chosen likelihood can fall (unlike DPO, which only widens the margin).
+    """
+    chosen, rejected = beta * chosen_logratios, beta * rejected_logratios
+    return -F.logsigmoid(chosen) - 0.5 * F.logsigmoid(-chosen) - 0.5 * F.logsigmoid(-rejected)
+
+
+def sppo_hard_loss(chosen_logratios: Tensor, rejected_logratios: Tensor, *, beta: float) -> Tensor:
+    """SPPO with hard labels: (r_c − 1/(2β))² + (r_r + 1/(2β))².
+
+    Self-Play Preference Optimization (Wu et al. 2024, "Self-Play Preference Optimization for
+    Language Model Alignment", arXiv:2405.00675, the loss of Algorithm 1 with η = 1/β): each
+    log-ratio is regressed on η·(P(y ≻ π) − ½). The paper estimates P with a preference
+    model; the hard version sets P = 1 for the chosen and 0 for the rejected completion, so
+    the targets are ±1/(2β). The log-ratios are not multiplied by β.
+    """
+    target = 1.0 / (2.0 * beta)
+    return (chosen_logratios - target) ** 2 + (rejected_logratios + target) ** 2
+
+
+def aot_loss(
+    policy_margins: Tensor, reference_margins: Tensor, *, beta: float,
+    label_smoothing: float = 0.0,
+) -> Tensor:  # fmt: skip
+    """AOT, paired: the sigmoid (cDPO) loss on sorted margins.
+
+    Alignment via Optimal Transport (Melnyk et al. 2024, "Distributional Preference Alignment
+    of LLMs via Optimal Transport", arXiv:2406.05882): the distribution of the policy's margins
+    m = log π(y_c) − log π(y_r) over the batch should dominate the reference's, quantile by
+    quantile; in one dimension the optimal transport pairs the i-th smallest of each, so both
+    are sorted and δᵢ = sort(m_π)ᵢ − sort(m_ref)ᵢ enters −(1−ε)·logσ(β·δᵢ) − ε·logσ(−β·δᵢ).
+
+    The batch is the sample of the distributions: entry i of the result belongs to the i-th
+    quantile, not to pair i, and the loss of a batch is not the sum of its halves' losses.
+    """
+    delta = torch.sort(policy_margins, dim=0).values - torch.sort(reference_margins, dim=0).values
+    return _smoothed_sigmoid_loss(beta * delta, label_smoothing)
+
+
+def aot_unpaired_loss(
+    chosen_logratios: Tensor, rejected_logratios: Tensor, *, beta: float,
+    label_smoothing: float = 0.0,
+) -> Tensor:  # fmt: skip
+    """AOT, unpaired: the sigmoid (cDPO) loss on δᵢ = sort(r_c)ᵢ − sort(r_r)ᵢ.
+
+    Melnyk et al. 2024 (arXiv:2406.05882), the unpaired setting: the distribution of the
+    chosen completions' log-ratios should dominate the rejected ones', whichever pair each came
+    from, so the two are sorted separately. As in `aot_loss`, entry i is the i-th quantile.
+    """
+    delta = (
+        torch.sort(chosen_logratios, dim=0).values - torch.sort(rejected_logratios, dim=0).values
+    )
+    return _smoothed_sigmoid_loss(beta * delta, label_smoothing)
+
+
+def discopop_loss(
+    chosen_logratios: Tensor, rejected_logratios: Tensor, *, beta: float, tau: float = 0.05
+) -> Tensor:
+    """DiscoPOP, the log-ratio modulated loss: (1 − m)·(−logσ(z)) + m·exp(−z), m = σ(z/τ).
+
+    Lu et al. 2024 ("Discovering Preference Optimization Algorithms with and for Large
+    Language Models", arXiv:2406.08414, eq. 5), z = β·(r_c − r_r): a blend of the logistic
+    (DPO) and the exponential loss, weighted by a sigmoid of the margin with temperature τ
+    (the paper's 0.05). It is not convex: at z = 0 its slope is (1 − ln 2)/(4τ) − 3/4, positive
+    for τ < 0.41, so from policy = reference it first narrows the margin. m·exp(−z) is
+    computed as exp(logσ(z/τ) − z), finite where exp(−z) alone overflows.
+    """
+    z = beta * (chosen_logratios - rejected_logratios)
+    modulation = torch.sigmoid(z / tau)
+    return (1 - modulation) * -F.logsigmoid(z) + torch.exp(F.logsigmoid(z / tau) - z)
+
+
+def sigmoid_norm_loss(
+    chosen_logratios: Tensor, rejected_logratios: Tensor, *, beta: float
+) -> Tensor:
+    """Length-normalised DPO: −logσ(β·(r̄_c − r̄_r)), r̄ = r / the completion's token count.
+
+    The DPO variant Tülu 3 trains with (Lambert et al. 2024, "Tülu 3: Pushing Frontiers in
+    Open Language Model Post-Training", arXiv:2411.15124): the sigmoid loss on per-token
+    log-ratios, so that long completions do not dominate the margin. Takes the per-token
+    log-ratios r̄ (`dpo_loss` divides each log-prob by its completion's token count).
+    """
+    return -F.logsigmoid(beta * (chosen_logratios - rejected_logratios))
+
+
+def sft_loss(policy_chosen_logps: Tensor, chosen_token_counts: Tensor) -> Tensor:
+    """The NLL of each chosen completion, averaged over its tokens: −log π(y_c) / |y_c|.
+
+    The term RPO adds to DPO (Pang et al. 2024, "Iterative Reasoning Preference Optimization",
+    arXiv:2404.19733; `dpo.rpo_alpha`) and MPO's generation loss (Wang et al. 2024,
+    arXiv:2411.10442). Per pair: a batch's loss is the mean over pairs of per-pair token
+    means. TRL 1.16's `sft` averages over all chosen tokens of the batch instead, which
+    differs when chosen completions differ in length.
+    """
+    return -policy_chosen_logps / chosen_token_counts.to(policy_chosen_logps.dtype)
 
 
 # --------------------------------------------------------------------------------------------

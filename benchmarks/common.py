@@ -90,14 +90,14 @@ def training_order(num_rows: int, *, batch: int, steps: int, seed: int = SEED) -
 
 def encoded_in_order(
     encode: Callable[..., tuple[list[dict], Any]], rows: list[dict], *, max_length: int,
-    batch: int, steps: int,
+    batch: int, steps: int, model: str = MODEL,
 ) -> tuple[list[dict], list[int]]:  # fmt: skip
     """align_anything's encoding of the rows (none may be dropped: both trainers must see all
     of them) and the order it trains on them."""
     from align_anything.models.loading import load_tokenizer
     from align_anything.models.zoo import resolve_model_path
 
-    tokenizer = load_tokenizer(resolve_model_path(MODEL))
+    tokenizer = load_tokenizer(resolve_model_path(model))
     encoded, data_report = encode(rows, tokenizer, max_length=max_length)
     if len(encoded) != len(rows):
         raise SystemExit(f"rows were dropped at max_length={max_length}: {data_report.summary()}")
@@ -259,6 +259,7 @@ class Setup:
     token_lengths: list[list[int]]  # per row in training order, to compare with TRL's
     extra_spec: dict[str, Any] = field(default_factory=dict)
     extra_overrides: list[str] = field(default_factory=list)
+    model: str = MODEL  # a built-in name both sides load from the same local folder
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, batch_help: str) -> None:
@@ -278,30 +279,9 @@ def run_comparison(
     setup: Setup, *, repeats: int, threads: int | None, only: str | None = None
 ) -> dict[str, list[RunRecord]]:
     """Write the rows, then run every variant `repeats` times, interleaved."""
-    from align_anything.models.zoo import resolve_model_path
-
     workdir = Path(tempfile.mkdtemp(prefix=f"aa-bench-{setup.task}-"))
-    ours_file, trl_file = workdir / "ours.jsonl", workdir / "trl.jsonl"
-    write_jsonl(ours_file, setup.ours_rows)
-    write_jsonl(trl_file, setup.trl_rows)
     env = child_env(threads)
-    adam = {"adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
-    overrides = [
-        f"task={setup.task}", "deepspeed=z0", f"model.name_or_path={MODEL}",
-        f"data.path={ours_file}", "data.eval_path=null", "data.eval_fraction=0",
-        f"data.max_length={setup.max_length}", f"train.max_steps={setup.steps}",
-        f"train.per_device_batch_size={setup.batch}", "train.gradient_accumulation_steps=1",
-        f"train.learning_rate={setup.learning_rate}", "train.lr_scheduler=constant",
-        "train.warmup_ratio=0", "train.weight_decay=0", "train.adam_eps=1e-8",
-        "train.max_grad_norm=1.0", "train.precision=fp32", f"train.seed={SEED}",
-        "checkpoint.save_final=false", "logging.backends=[jsonl]", *setup.extra_overrides,
-    ]  # fmt: skip
-    spec = {
-        "task": setup.task, "model_path": str(resolve_model_path(MODEL)),
-        "rows_path": str(trl_file), "batch": setup.batch, "steps": setup.steps,
-        "max_length": setup.max_length, "learning_rate": setup.learning_rate, "seed": SEED,
-        **adam, **setup.extra_spec,
-    }  # fmt: skip
+    overrides, spec = child_inputs(setup, workdir)
     runners: dict[str, Callable[[], RunRecord]] = {}
     for name, extra in setup.ours_variants.items():
         runners[name] = lambda n=name, e=extra: run_ours(n, overrides + e, workdir=workdir, env=env)
@@ -324,6 +304,34 @@ def run_comparison(
         runners = {name: runners[name] for name in wanted}
     print(f"work folder {workdir}; {len(runners)} variants × {repeats} repeats", flush=True)
     return interleave(runners, repeats)
+
+
+def child_inputs(setup: Setup, workdir: Path) -> tuple[list[str], dict[str, Any]]:
+    """Both sides' inputs for one comparison: the rows written under `workdir`, then
+    align_anything's overrides and the TRL child's spec, with the same hyper-parameters."""
+    from align_anything.models.zoo import resolve_model_path
+
+    ours_file, trl_file = workdir / "ours.jsonl", workdir / "trl.jsonl"
+    write_jsonl(ours_file, setup.ours_rows)
+    write_jsonl(trl_file, setup.trl_rows)
+    adam = {"adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0}
+    overrides = [
+        f"task={setup.task}", "deepspeed=z0", f"model.name_or_path={setup.model}",
+        f"data.path={ours_file}", "data.eval_path=null", "data.eval_fraction=0",
+        f"data.max_length={setup.max_length}", f"train.max_steps={setup.steps}",
+        f"train.per_device_batch_size={setup.batch}", "train.gradient_accumulation_steps=1",
+        f"train.learning_rate={setup.learning_rate}", "train.lr_scheduler=constant",
+        "train.warmup_ratio=0", "train.weight_decay=0", "train.adam_eps=1e-8",
+        "train.max_grad_norm=1.0", "train.precision=fp32", f"train.seed={SEED}",
+        "checkpoint.save_final=false", "logging.backends=[jsonl]", *setup.extra_overrides,
+    ]  # fmt: skip
+    spec = {
+        "task": setup.task, "model_path": str(resolve_model_path(setup.model)),
+        "rows_path": str(trl_file), "batch": setup.batch, "steps": setup.steps,
+        "max_length": setup.max_length, "learning_rate": setup.learning_rate, "seed": SEED,
+        **adam, **setup.extra_spec,
+    }  # fmt: skip
+    return overrides, spec
 
 
 def report(

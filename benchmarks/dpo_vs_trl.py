@@ -16,6 +16,7 @@ defaults (gradient checkpointing on) and with gradient checkpointing off. Needs 
 from __future__ import annotations
 
 from common import (
+    MODEL,
     Setup,
     encoded_in_order,
     main,
@@ -26,13 +27,17 @@ METRICS = [("step-1 loss", "loss"), ("step-1 logps/chosen", "logps/chosen"),
            ("step-1 logps/rejected", "logps/rejected")]  # fmt: skip
 
 
-def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float) -> Setup:
-    """The rows and token counts of one comparison (align_anything's encoding of them)."""
+def build_setup(
+    *, steps: int, batch: int, max_length: int, learning_rate: float, model: str = MODEL,
+    rows: list[dict] | None = None,
+) -> Setup:  # fmt: skip
+    """The rows and token counts of one comparison (align_anything's encoding of them): the
+    first steps × batch pairs of arith-pref unless `rows` are given."""
     from align_anything.data import encode_preference
 
-    rows = preference_rows("arith-pref", steps * batch)
+    rows = rows or preference_rows("arith-pref", steps * batch)
     encoded, order = encoded_in_order(
-        encode_preference, rows, max_length=max_length, batch=batch, steps=steps
+        encode_preference, rows, max_length=max_length, batch=batch, steps=steps, model=model
     )
     lengths = [
         [
@@ -70,6 +75,7 @@ def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float
             "dpo.reference=precompute",
             "dpo.generation_check_samples=0",
         ],  # fmt: skip
+        model=model,
     )
 
 

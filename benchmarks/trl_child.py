@@ -5,9 +5,10 @@ sft_vs_trl.py in its own process, so that its peak RSS is its own).
 
 SPEC holds: task (dpo|sft), model_path, rows_path (JSONL in the order to train on), batch,
 steps, max_length, learning_rate, adam betas/eps, weight_decay, max_grad_norm, seed,
-gradient_checkpointing, beta (DPO), output_dir. Writes output_dir/result.json: per-step wall
-times (a callback around each optimizer step), the logged figures of every step, and the
-token length of every tokenised row (to compare with align_anything's encoding).
+gradient_checkpointing, output_dir; for DPO beta and optionally loss_type (a list; default
+["sigmoid"]), loss_weights, label_smoothing and discopop_tau. Writes output_dir/result.json:
+per-step wall times (a callback around each optimizer step), the logged figures of every step,
+and the token length of every tokenised row (to compare with align_anything's encoding).
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ def main(spec_path: str) -> None:
     if spec["task"] == "dpo":
         from trl import DPOConfig, DPOTrainer
 
-        args = DPOConfig(**common_args(spec), beta=spec["beta"], loss_type=["sigmoid"])
+        args = DPOConfig(
+            **common_args(spec), beta=spec["beta"], loss_type=spec.get("loss_type", ["sigmoid"]),
+            loss_weights=spec.get("loss_weights"), label_smoothing=spec.get("label_smoothing", 0.0),
+            discopop_tau=spec.get("discopop_tau", 0.05),
+        )  # fmt: skip
         trainer = DPOTrainer(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
             callbacks=[timer],

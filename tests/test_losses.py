@@ -3,6 +3,8 @@
 Constants used below, derived by hand:
     logσ(1)  = −ln(1 + e^−1) = −0.31326168751822286
     logσ(−1) = logσ(1) − 1   = −1.31326168751822286   (logσ(−z) = logσ(z) − z)
+    logσ(3)  = −ln(1 + e^−3) = −0.04858735157374206,  logσ(−3) = logσ(3) − 3
+    σ(ln 3) = 3/(3 + 1) = 3/4,  σ(−ln 3) = 1/4,  σ(0) = 1/2
     ln 2 = 0.6931471805599453, ln 4 = 1.3862943611198906, ln(3/4) = −0.2876820724517809
 """
 
@@ -16,12 +18,29 @@ import torch.nn.functional as F
 
 from align_anything.data import IGNORE_INDEX
 from align_anything.forward import completion_logps, token_logps
-from align_anything.losses import DPO_LOSS_TYPES, dpo_loss, reward_loss
+from align_anything.losses import (
+    DPO_LOSS_TYPES,
+    aot_loss,
+    aot_unpaired_loss,
+    apo_down_loss,
+    apo_zero_loss,
+    bco_pair_loss,
+    discopop_loss,
+    dpo_loss,
+    exo_pair_loss,
+    nca_pair_loss,
+    reward_loss,
+    sft_loss,
+    sigmoid_norm_loss,
+    sppo_hard_loss,
+)
 from align_anything.models.reward_head import last_real_index
 
 LN2 = 0.6931471805599453
 LN4 = 1.3862943611198906
 NEG_LOGSIG_1 = 0.31326168751822286  # −logσ(1)
+NEG_LOGSIG_3 = 0.04858735157374206  # −logσ(3)
+LN3 = math.log(3.0)
 
 
 def approx(value: float, rel: float = 1e-6, abs: float = 1e-6):  # noqa: A002
@@ -355,7 +374,13 @@ def test_orpo_is_finite_at_extreme_log_probs():
     assert torch.isfinite(chosen.grad).all() and torch.isfinite(rejected.grad).all()
 
 
-@pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
+# Not here, each with its own test below: apo_down lowers both log-probs (at policy = reference
+# its chosen gradient is exactly 0), discopop's slope at z = 0 is positive for τ < 0.41, and sft
+# has no rejected term (and is no loss alone).
+PUSHING_TYPES = [t for t in DPO_LOSS_TYPES if t not in ("apo_down", "discopop", "sft")]
+
+
+@pytest.mark.parametrize("loss_type", PUSHING_TYPES)
 def test_gradients_push_chosen_up_and_rejected_down(loss_type):
     # Start from policy = reference with equal lengths; one step of gradient descent
     # must raise the chosen log-prob and lower the rejected one.
@@ -369,6 +394,8 @@ def test_gradients_push_chosen_up_and_rejected_down(loss_type):
         policy_rejected.detach().clone(),
         beta=0.1,
         loss_type=loss_type,
+        # EXO takes log ε; at z = 0 its slope is ¼·ln(ε/(1−ε)) < 0 for ε < 1/2.
+        label_smoothing=1e-3 if loss_type == "exo_pair" else 0.0,
         chosen_token_counts=counts,
         rejected_token_counts=counts,
     )
@@ -416,6 +443,262 @@ def test_dpo_from_completion_logps_end_to_end():
     assert out.losses.item() == approx(LN2)
     out.losses.mean().backward()
     assert logits.grad.abs().sum() > 0
+
+
+# ------------------------------------------------------------------------------------------
+# The types added for TRL parity (each a function of its own; dpo_loss dispatches to them)
+# ------------------------------------------------------------------------------------------
+
+
+def test_apo_zero_by_hand():
+    # β·r_c = ln 3, β·r_r = −ln 3: 1 − σ(ln 3) + σ(−ln 3) = 1 − 3/4 + 1/4 = 1/2; at 0: 1 − ½ + ½.
+    assert apo_zero_loss(t(LN3, 0.0), t(-LN3, 0.0), beta=1.0).tolist() == [
+        approx(0.5),
+        approx(1.0),
+    ]
+    # Through dpo_loss: ref = 0, so the log-ratios are the policy log-probs; β = 1/2 doubles them.
+    zero = t(0.0)
+    out = dpo_loss(t(2 * LN3), t(-2 * LN3), zero, zero, beta=0.5, loss_type="apo_zero")
+    assert out.losses.item() == approx(0.5)
+    assert out.chosen_rewards.item() == approx(LN3)  # β·r_c, as TRL logs it
+    assert out.rejected_rewards.item() == approx(-LN3)
+
+
+def test_apo_down_by_hand_and_lowers_both_log_probs():
+    # σ(β·r_c) + 1 − σ(β·(r_c − r_r)): r_c = ln 3, r_r = 0 ⇒ 3/4 + 1 − 3/4 = 1;
+    # r_c = 0, r_r = ln 3 ⇒ 1/2 + 1 − σ(−ln 3) = 1/2 + 1 − 1/4 = 5/4.
+    assert apo_down_loss(t(LN3, 0.0), t(0.0, LN3), beta=1.0).tolist() == [
+        approx(1.0),
+        approx(1.25),
+    ]
+    # At policy = reference: ∂/∂r_c = β·σ'(0) − β·σ'(0) = 0 and ∂/∂r_r = β·σ'(0) = β/4.
+    chosen = torch.tensor([-20.0, -35.0], dtype=torch.float64, requires_grad=True)
+    rejected = torch.tensor([-22.0, -30.0], dtype=torch.float64, requires_grad=True)
+    out = dpo_loss(
+        chosen, rejected, chosen.detach(), rejected.detach(), beta=0.1, loss_type="apo_down"
+    )
+    out.losses.mean().backward()
+    assert chosen.grad.tolist() == [0.0, 0.0]
+    assert rejected.grad.tolist() == [approx(0.1 / 4 / 2)] * 2  # mean over 2 pairs
+
+
+def test_bco_pair_by_hand():
+    # −logσ(β·r_c) − logσ(−β·r_r): (1, −1) ⇒ 2·(−logσ(1)); at 0: 2·ln 2.
+    assert bco_pair_loss(t(1.0, 0.0), t(-1.0, 0.0), beta=1.0).tolist() == [
+        approx(2 * NEG_LOGSIG_1),
+        approx(2 * LN2),
+    ]
+    # The reward δ of the BCO paper is 0 (TRL 1.16): the loss is not symmetric in r_c and r_r.
+    assert bco_pair_loss(t(0.0), t(3.0), beta=1.0).item() == approx(LN2 + 3 + NEG_LOGSIG_3)
+
+
+def test_exo_pair_is_a_kl_divergence():
+    # At z = 0, q = (½, ½): KL = −ln 2 − ½·ln(ε(1 − ε)). ε = ½: 0; ε = 0.1: −ln 2 − ln 0.3 = ln(1/0.6).
+    zero = t(0.0)
+    assert exo_pair_loss(zero, zero, beta=1.0, epsilon=0.5).item() == approx(0.0)
+    assert exo_pair_loss(zero, zero, beta=1.0, epsilon=0.1).item() == approx(math.log(1 / 0.6))
+    # q = p where σ(z) = 1 − ε: z = 1 and ε = σ(−1) give KL = 0, a minimum (zero gradient).
+    chosen = torch.tensor([1.0], dtype=torch.float64, requires_grad=True)
+    eps = 1 - 1 / (1 + math.exp(-1.0))
+    loss = exo_pair_loss(chosen, zero, beta=1.0, epsilon=eps)
+    loss.backward()
+    assert loss.item() == approx(0.0, abs=1e-12)
+    assert chosen.grad.item() == approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError, match="epsilon"):
+        exo_pair_loss(zero, zero, beta=1.0, epsilon=0.0)
+
+
+def test_nca_pair_by_hand():
+    # −logσ(β·r_c) − ½·logσ(−β·r_c) − ½·logσ(−β·r_r): at 0, ln 2 + ½ ln 2 + ½ ln 2 = 2 ln 2;
+    # (1, −1): 0.3132617 + ½·1.3132617 + ½·0.3132617 = 1.1265234.
+    assert nca_pair_loss(t(0.0, 1.0), t(0.0, -1.0), beta=1.0).tolist() == [
+        approx(2 * LN2),
+        approx(NEG_LOGSIG_1 + 0.5 * (NEG_LOGSIG_1 + 1) + 0.5 * NEG_LOGSIG_1),
+    ]
+
+
+def test_sppo_hard_targets_plus_minus_half_over_beta():
+    # β = 0.1: targets ±5 on the unscaled log-ratios. (5, −5) ⇒ 0; (0, 0) ⇒ 25 + 25;
+    # (7, −4) ⇒ 2² + 1² = 5.
+    assert sppo_hard_loss(t(5.0, 0.0, 7.0), t(-5.0, 0.0, -4.0), beta=0.1).tolist() == [
+        approx(0.0),
+        approx(50.0),
+        approx(5.0),
+    ]
+
+
+def test_aot_sorts_margins_before_comparing():
+    # Policy margins (3, −1), reference margins (0, 2): sorted (−1, 3) and (0, 2) ⇒ δ = (−1, 1)
+    # ⇒ (−logσ(−1), −logσ(1)). Paired DPO would see h = (3, −3) instead.
+    policy, reference = t(3.0, -1.0), t(0.0, 2.0)
+    assert aot_loss(policy, reference, beta=1.0).tolist() == [
+        approx(NEG_LOGSIG_1 + 1),
+        approx(NEG_LOGSIG_1),
+    ]
+    # Distributional: which pair a margin came from does not matter.
+    torch.testing.assert_close(
+        aot_loss(policy.flip(0), reference, beta=1.0), aot_loss(policy, reference, beta=1.0)
+    )
+    # The batch is the sample: split into two batches of one, δ = (3, −3) and the summed loss is
+    # −logσ(3) − logσ(−3) = 3 + 2·0.0485874, not 1 + 2·0.3132617.
+    halves = aot_loss(policy[:1], reference[:1], beta=1.0) + aot_loss(
+        policy[1:], reference[1:], beta=1.0
+    )
+    assert halves.item() == approx(3 + 2 * NEG_LOGSIG_3)
+    # cDPO smoothing at δ = 1, ε = 0.1: −logσ(1) + ε·1 (as in the sigmoid test above).
+    smoothed = aot_loss(t(1.0), t(0.0), beta=1.0, label_smoothing=0.1)
+    assert smoothed.item() == approx(0.41326168751822286)
+    # Through dpo_loss: margins are policy_c − policy_r and ref_c − ref_r.
+    zero2 = t(0.0, 0.0)
+    out = dpo_loss(policy, zero2, reference, zero2, beta=1.0, loss_type="aot")
+    assert out.losses.sum().item() == approx(1 + 2 * NEG_LOGSIG_1)
+
+
+def test_aot_unpaired_sorts_chosen_and_rejected_separately():
+    # r_c = (2, −1), r_r = (0, 1): sorted (−1, 2) and (0, 1) ⇒ δ = (−1, 1). Paired: h = (2, −2).
+    assert aot_unpaired_loss(t(2.0, -1.0), t(0.0, 1.0), beta=1.0).tolist() == [
+        approx(NEG_LOGSIG_1 + 1),
+        approx(NEG_LOGSIG_1),
+    ]
+    zero2 = t(0.0, 0.0)
+    out = dpo_loss(t(2.0, -1.0), t(0.0, 1.0), zero2, zero2, beta=1.0, loss_type="aot_unpaired")
+    assert out.losses.sum().item() == approx(1 + 2 * NEG_LOGSIG_1)
+
+
+def test_discopop_value_slope_and_limits():
+    tau = 0.05
+    # z = 0: m = σ(0) = ½ ⇒ ½·ln 2 + ½·e⁰.
+    zero = t(0.0)
+    assert discopop_loss(zero, zero, beta=1.0, tau=tau).item() == approx(0.5 * LN2 + 0.5)
+    # Slope at 0: −m'·ln 2 + (1 − m)·(−½) + m'·1 + m·(−1) with m' = 1/(4τ)
+    #           = (1 − ln 2)/(4τ) − 3/4 = 1.5342641 − 0.75 = 0.7842641 (positive: not convex).
+    chosen = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    discopop_loss(chosen, zero, beta=1.0, tau=tau).backward()
+    assert chosen.grad.item() == approx((1 - LN2) / (4 * tau) - 0.75)
+    # Far from 0 the blend is one of its parts: z = 2 ⇒ e^−2 (σ(40) = 1 − 4e−18);
+    # z = −3 ⇒ −logσ(−3) = 3 + 0.0485874 (σ(−60)·e³ ≈ 2e−25).
+    assert discopop_loss(t(2.0), zero, beta=1.0, tau=tau).item() == approx(math.exp(-2.0))
+    assert discopop_loss(t(-3.0), zero, beta=1.0, tau=tau).item() == approx(3 + NEG_LOGSIG_3)
+
+
+def test_discopop_is_finite_where_exp_of_minus_z_overflows():
+    # z = −1000 in float32: e^1000 overflows, and σ(z/τ)·e^−z would be 0·inf = nan.
+    chosen = torch.tensor([-1000.0, 0.0, 500.0], requires_grad=True)
+    zero = torch.zeros(3)
+    loss = discopop_loss(chosen, zero, beta=1.0)
+    loss.sum().backward()
+    assert torch.isfinite(loss).all() and torch.isfinite(chosen.grad).all()
+    assert loss[0].item() == pytest.approx(1000.0)  # −logσ(−1000)
+
+
+def test_sigmoid_norm_uses_per_token_log_ratios():
+    # Chosen: (−6 − (−12))/3 = 2; rejected: (−8 − (−4))/4 = −1 ⇒ h̄ = 3; β = 1/3 ⇒ −logσ(1).
+    out = dpo_loss(
+        t(-6.0),
+        t(-8.0),
+        t(-12.0),
+        t(-4.0),
+        beta=1 / 3,
+        loss_type="sigmoid_norm",
+        chosen_token_counts=torch.tensor([3]),
+        rejected_token_counts=torch.tensor([4]),
+    )
+    assert out.losses.item() == approx(NEG_LOGSIG_1)
+    assert out.chosen_rewards.item() == approx(2 / 3)  # β·r̄, as for ipo
+    assert out.rejected_rewards.item() == approx(-1 / 3)
+    assert sigmoid_norm_loss(t(2.0), t(-1.0), beta=1 / 3).item() == approx(NEG_LOGSIG_1)
+
+
+def test_sft_is_the_token_mean_nll_per_pair():
+    # −log π / |y|: −6 over 3 tokens ⇒ 2, −3 over 1 token ⇒ 3. The batch's loss is the mean
+    # over pairs, 2.5 (TRL 1.16 averages over all 4 chosen tokens instead: 9/4).
+    logps = torch.tensor([-6.0, -3.0], dtype=torch.float64, requires_grad=True)
+    losses = sft_loss(logps, torch.tensor([3, 1]))
+    assert losses.tolist() == [approx(2.0), approx(3.0)]
+    losses.mean().backward()
+    assert logps.grad.tolist() == [approx(-1 / 6), approx(-1 / 2)]  # −1/(|y|·B)
+
+
+def test_mpo_weighted_sum_by_hand():
+    # MPO at policy = reference: 0.8·ln 2 (sigmoid) + 0.2·2 ln 2 (bco_pair) + 1.0·2 (sft: −6 over
+    # 3 tokens) = 1.2·ln 2 + 2.
+    logps, counts = t(-6.0), torch.tensor([3])
+    kwargs = dict(beta=0.1, chosen_token_counts=counts, rejected_token_counts=counts)
+    out = dpo_loss(
+        logps, logps, logps, logps, loss_type=["sigmoid", "bco_pair", "sft"],
+        loss_weights=[0.8, 0.2, 1.0], **kwargs,
+    )  # fmt: skip
+    assert out.losses.item() == approx(1.2 * LN2 + 2.0)
+    assert {k: v.item() for k, v in out.terms.items()} == {
+        "sigmoid": approx(LN2),
+        "bco_pair": approx(2 * LN2),
+        "sft": approx(2.0),
+    }
+    unweighted = dpo_loss(
+        logps, logps, logps, logps, loss_type=["sigmoid", "bco_pair", "sft"], **kwargs
+    )
+    assert unweighted.losses.item() == approx(3 * LN2 + 2.0)
+
+
+def test_sft_term_weighted_alpha_is_the_rpo_term():
+    # What rpo_alpha = α adds (the trainer appends ("sft", α)): bit for bit the per-pair
+    # sigmoid loss plus α·(−log π_c / |y_c|), as the trainer computed it before the list.
+    torch.manual_seed(3)
+    chosen, rejected, ref_c, ref_r = (-20 * torch.rand(4) for _ in range(4))
+    counts = torch.tensor([3, 5, 1, 7])
+    kwargs = dict(beta=0.1, chosen_token_counts=counts, rejected_token_counts=counts)
+    combined = dpo_loss(
+        chosen, rejected, ref_c, ref_r, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.7],
+        **kwargs,
+    )  # fmt: skip
+    alone = dpo_loss(chosen, rejected, ref_c, ref_r, loss_type="sigmoid", **kwargs)
+    assert torch.equal(combined.losses, alone.losses + 0.7 * (-chosen / counts.clamp(min=1)))
+    assert torch.equal(combined.chosen_rewards, alone.chosen_rewards)
+
+
+def test_rewards_are_the_first_preference_types():
+    # ipo's example: per token chosen −6/3 − (−3/3) = −1, rejected −8/4 − (−12/4) = 1;
+    # summed −3 and 4. β = 0.5.
+    args = (t(-6.0), t(-8.0), t(-3.0), t(-12.0))
+    kwargs = dict(
+        beta=0.5, chosen_token_counts=torch.tensor([3]), rejected_token_counts=torch.tensor([4])
+    )
+    ipo_first = dpo_loss(*args, loss_type=["sft", "ipo", "sigmoid"], **kwargs)
+    assert (ipo_first.chosen_rewards.item(), ipo_first.rejected_rewards.item()) == (
+        approx(-0.5),
+        approx(0.5),
+    )
+    sigmoid_first = dpo_loss(*args, loss_type=["sigmoid", "ipo"], **kwargs)
+    assert (sigmoid_first.chosen_rewards.item(), sigmoid_first.rejected_rewards.item()) == (
+        approx(-1.5),
+        approx(2.0),
+    )
+    # Reference-free: simpo with the sft term needs no reference log-probs.
+    free = dpo_loss(t(-4.0), t(-9.0), loss_type=["simpo", "sft"], **kwargs)
+    assert free.chosen_rewards.item() == approx(0.5 * -4 / 3)
+
+
+def test_combinations_that_are_refused():
+    x, ones = t(-1.0), torch.ones(1)
+    counts = dict(chosen_token_counts=ones, rejected_token_counts=ones)
+    cases = [
+        (dict(loss_type=["sigmoid", "sigmoid"]), "more than once"),
+        (dict(loss_type=["sft"]), "no preference loss"),
+        (dict(loss_type=["simpo", "bco_pair"]), "mixes the reference-free"),
+        (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), "1 loss_weights for 2"),
+        (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, -0.5]), ">= 0"),
+        (dict(loss_type=["sigmoid", "sft"], loss_weights=[0.0, 0.0]), "one at least > 0"),
+        (dict(loss_type="exo_pair"), r"\(0, 0.5\]"),
+        (dict(loss_type=["exo_pair", "robust"], label_smoothing=0.5), r"\(0, 0.5\)"),
+        (dict(loss_type="discopop", discopop_tau=0.0), "discopop_tau"),
+        (dict(loss_type=["hinge", "apo_zero"], label_smoothing=0.1), "no effect"),
+        (dict(loss_type=[]), "none given"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            dpo_loss(x, x, x, x, beta=0.1, **counts, **kwargs)
+    # label_smoothing applies to each listed type that reads it; hinge beside sigmoid is fine.
+    dpo_loss(x, x, x, x, beta=0.1, loss_type=["hinge", "sigmoid"], label_smoothing=0.1)
 
 
 # ------------------------------------------------------------------------------------------

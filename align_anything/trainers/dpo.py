@@ -1,5 +1,6 @@
-"""Direct preference optimisation and its loss family (sigmoid/cDPO, IPO, hinge, robust, and the
-reference-free SimPO and ORPO).
+"""Direct preference optimisation and its loss family (sigmoid/cDPO, IPO, hinge, robust, the
+reference-free SimPO and ORPO, and TRL's other types: APO, BCO, EXO, NCA, SPPO, AOT, DiscoPOP,
+length-normalised sigmoid), one type or a weighted sum of several (`losses.dpo_loss`).
 
 Chosen and rejected go through one forward pass (stacked on the batch axis). Log-probs are summed
 over completion tokens found on the ids fed to the model. The reference is the model as loaded
@@ -23,7 +24,7 @@ from align_anything.data import DataReport, collate_preference, encode_preferenc
 from align_anything.data.builtin import has_preferred_property
 from align_anything.data.layouts import collate_shared_prompt, mask_dtype, supports_shared_prompt
 from align_anything.forward import completion_forward, shared_prefix_logps
-from align_anything.losses import REFERENCE_FREE_LOSS_TYPES, dpo_loss
+from align_anything.losses import dpo_loss, needs_reference
 from align_anything.models import lora
 from align_anything.trainers.base import Trainer
 from align_anything.trainers.batching import shard_chunks, step_indices
@@ -87,7 +88,7 @@ class DPOTrainer(Trainer):
 
     @property
     def reference_free(self) -> bool:
-        return self.cfg.dpo.loss_type in REFERENCE_FREE_LOSS_TYPES
+        return not needs_reference(self.cfg.dpo.loss_terms()[0])
 
     def after_engine(self) -> None:
         # Media are attached per sequence (two rows per pair): text-only batches share prompts.
@@ -107,8 +108,10 @@ class DPOTrainer(Trainer):
             )
         self.reference: InferenceEngine | lora.AdapterDisabledReference | None = None
         if self.reference_free:
+            kinds = [name for name in self.cfg.dpo.loss_terms()[0] if name != "sft"]
+            verb = "is" if len(kinds) == 1 else "are"
             self.summary_lines.append(
-                f"  reference       none ({self.cfg.dpo.loss_type} is reference-free)"
+                f"  reference       none ({', '.join(kinds)} {verb} reference-free)"
             )
             return
         if self.cfg.model.lora.enabled:
@@ -222,23 +225,25 @@ class DPOTrainer(Trainer):
                 assert self.reference is not None
                 with torch.no_grad():
                     ref_chosen, ref_rejected = self._sequence_logps(self.reference, batch)
+        # rpo_alpha > 0 appends ("sft", rpo_alpha). aot / aot_unpaired sort this micro-batch:
+        # their loss depends on how a step's rows are split (DESIGN.md §4).
+        loss_types, loss_weights = cfg.loss_terms()
         out = dpo_loss(
             chosen,
             rejected,
             ref_chosen,
             ref_rejected,
             beta=cfg.beta,
-            loss_type=cfg.loss_type,
+            loss_type=loss_types,
+            loss_weights=loss_weights,
             label_smoothing=cfg.label_smoothing,
             chosen_token_counts=counts[:half],
             rejected_token_counts=counts[half:],
             simpo_gamma=cfg.simpo_gamma,
             orpo_lambda=cfg.orpo_lambda,
+            discopop_tau=cfg.discopop_tau,
         )
         losses = out.losses
-        if cfg.rpo_alpha:
-            chosen_nll = -chosen / counts[:half].clamp(min=1)
-            losses = losses + cfg.rpo_alpha * chosen_nll
         margins = out.chosen_rewards - out.rejected_rewards
         metrics = {
             "loss": losses.detach().sum(),
@@ -249,8 +254,8 @@ class DPOTrainer(Trainer):
             "logps/chosen": chosen.detach().sum(),
             "logps/rejected": rejected.detach().sum(),
         }
-        if cfg.rpo_alpha:
-            metrics["nll_loss"] = chosen_nll.detach().sum()
+        if "sft" in out.terms:
+            metrics["nll_loss"] = out.terms["sft"].detach().sum()
         return losses.sum() / normalizer, metrics
 
     def extra_summary(self) -> dict[str, Any]:
