@@ -389,3 +389,28 @@ def test_bad_kto_input_is_one_error_before_any_compute(
     assert fragment in err and "Traceback" not in err
     assert err.count("error:") == 1
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------- memory planner
+
+
+def test_planner_counts_the_kto_reference_as_for_dpo() -> None:
+    from align_anything import plan
+    from align_anything.config import load_config, load_preset
+
+    sizes = plan.ModelSizes(total=1000, trainable=1000, largest_layer=100, hidden=8, layers=2,
+                            vocab=10)  # fmt: skip
+
+    def estimate(preset: str, overrides: list[str]) -> plan.Estimate:
+        cfg = load_config(["train.per_device_batch_size=2", "data.max_length=16", *overrides])
+        return plan.estimate_preset(
+            preset, load_preset(preset)[0], sizes, cfg, world_size=2, gpus_per_node=2,
+            precision="fp32",
+        )  # fmt: skip
+
+    assert estimate("z0", ["task=kto"]).reference == 4000  # frozen fp32 weights
+    assert estimate("z3", ["task=kto"]).reference == 4000 / 2  # partitioned under ZeRO-3
+    assert estimate("z0", ["task=kto", "kto.reference_offload=true"]).reference == 0
+    assert estimate("z0", ["task=kto", "model.lora.enabled=true"]).reference == 0
+    # One sequence per row keeps activations for backward (the KL sequence runs without grad).
+    assert estimate("z0", ["task=kto"]).activations == estimate("z0", ["task=sft"]).activations
