@@ -90,13 +90,15 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     path: str = Field(
-        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`) or a hub dataset.",
+        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`) or a hub dataset.",
     )
-    format: Literal["auto", "conversation", "prompt_response", "preference", "hh"] = Field(
-        description="How rows map to records; `auto` recognises conversations, prompt/response, preference pairs and HH-RLHF transcripts.",
+    format: Literal["auto", "conversation", "prompt_response", "preference", "hh", "unpaired"] = (
+        Field(
+            description="How rows map to records; `auto` recognises conversations, prompt/response, preference pairs, HH-RLHF transcripts and unpaired rows (prompt, completion, label).",
+        )
     )
     columns: dict[str, str] = Field(
-        description="Canonical name -> column in the file, e.g. `{prompt: question, chosen: good}`.",
+        description="Canonical name -> column in the file, e.g. `{prompt: question, chosen: good}` (names: messages, prompt, response or completion, chosen, rejected, system, margin, label).",
     )
     max_length: int = Field(
         ge=8, description="Token limit of one encoded sequence (prompt + completion)."
@@ -414,10 +416,35 @@ class RMSection(_Section):
     )
 
 
+class KTOSection(_Section):
+    beta: float = Field(
+        gt=0, description="Strength of the pull towards the reference model (the beta of KTO)."
+    )
+    desirable_weight: float = Field(
+        gt=0, description="lambda_D: weight of the loss of desirable (thumbs-up) rows."
+    )
+    undesirable_weight: float = Field(
+        gt=0, description="lambda_U: weight of the loss of undesirable (thumbs-down) rows."
+    )
+    reference: Literal["model", "precompute"] = Field(
+        description="precompute: one no-grad pass over the rows and KL pairs the run will use, before training, then the reference is freed; model: keep a frozen reference model.",
+    )
+    reference_offload: bool = Field(
+        description="With `reference=model`: keep the reference model in CPU memory."
+    )
+    generation_check_samples: int = Field(
+        ge=0,
+        description="Greedy answers to this many held-out prompts before and after training, checked where the dataset defines a check (built-in data does).",
+    )
+    generation_max_new_tokens: int = Field(
+        ge=1, description="Token limit of each generation-check answer."
+    )
+
+
 class RunConfig(_Section):
     """The validated configuration of one run. Built only by `load_config`."""
 
-    task: str = Field(description="The trainer: sft, dpo or rm (a file in configs/task/).")
+    task: str = Field(description="The trainer: sft, dpo, rm or kto (a file in configs/task/).")
     deepspeed: dict[str, Any] = Field(
         description="A shipped preset name (`python -m align_anything presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."
     )
@@ -443,6 +470,7 @@ class RunConfig(_Section):
     sft: SFTSection | None = None
     dpo: DPOSection | None = None
     rm: RMSection | None = None
+    kto: KTOSection | None = None
 
     @field_validator("resume", mode="before")
     @classmethod
@@ -464,7 +492,9 @@ class RunConfig(_Section):
 
 
 # Task name -> the schema of its own config section.
-TASK_SECTIONS: dict[str, type[BaseModel]] = {"sft": SFTSection, "dpo": DPOSection, "rm": RMSection}
+TASK_SECTIONS: dict[str, type[BaseModel]] = {
+    "sft": SFTSection, "dpo": DPOSection, "rm": RMSection, "kto": KTOSection,
+}  # fmt: skip
 
 
 def available_tasks() -> list[str]:

@@ -13,8 +13,8 @@ The memory planner estimates, for each shipped preset,
   mixed precision; for fp32 training (CPU) and LoRA, where DeepSpeed has no estimator, the same
   accounting by hand (weights, gradients and Adam moments of what trains, weights of what is
   frozen), partitioned as the stage partitions them;
-- the DPO reference model (frozen weights; partitioned under ZeRO-3; none for a LoRA run, whose
-  reference is the base model with adapters off, and none for reference-free losses). A
+- the DPO / KTO reference model (frozen weights; partitioned under ZeRO-3; none for a LoRA run,
+  whose reference is the base model with adapters off, and none for reference-free losses). A
   precomputed reference still exists while it is computed, after the policy's engine is built,
   so it counts towards the peak;
 - activations of one micro-batch (Korthikanti et al. 2022: 34·s·b·h bytes per layer in 16-bit
@@ -206,12 +206,13 @@ def estimate_preset(
         device = weights + grads + states
         source = "by hand (fp32)" if precision == "fp32" else "by hand (LoRA)"
     reference = 0.0
-    if cfg.task == "dpo" and not cfg.model.lora.enabled:
-        if cfg.dpo is not None and cfg.dpo.loss_type not in REFERENCE_FREE_LOSS_TYPES:
-            offloaded = cfg.dpo.reference_offload
-            reference = 0.0 if offloaded else sizes.total * weight_bytes / (n if stage == 3 else 1)
+    if _has_reference_model(cfg):
+        offloaded = cfg.section().reference_offload  # type: ignore[union-attr]
+        reference = 0.0 if offloaded else sizes.total * weight_bytes / (n if stage == 3 else 1)
     micro = cfg.train.per_device_batch_size
     micro = micro if isinstance(micro, int) else 4
+    # Sequences whose activations are kept for backward: a DPO / RM pair is two; a KTO row one
+    # (its KL sequence runs without gradient, so its activations do not stay).
     sequences = micro * (2 if cfg.task in ("dpo", "rm") else 1)
     seq = cfg.data.max_length
     scale = 2 if precision == "fp32" else 1
@@ -233,6 +234,16 @@ def estimate_preset(
         paper=memory.estimate_model_state_memory(sizes.total, stage, n, offload=False) * GIB,
         source=source,
     )
+
+
+def _has_reference_model(cfg: RunConfig) -> bool:
+    """Whether the run holds a second, frozen model: the DPO / KTO reference (none with LoRA,
+    whose reference is the policy with adapters off, nor for DPO's reference-free losses)."""
+    if cfg.model.lora.enabled:
+        return False
+    if cfg.task == "kto":
+        return cfg.kto is not None
+    return cfg.dpo is not None and cfg.dpo.loss_type not in REFERENCE_FREE_LOSS_TYPES
 
 
 def device_budget(cfg: RunConfig, *, gpus_per_node: int) -> tuple[float, str]:

@@ -51,6 +51,7 @@ CASES = {
     "sft.sh": ({}, ["--num_gpus", "2", "--preset", "z2"], 2),
     "dpo.sh": ({"NUM_GPUS": "2"}, ["dpo.generation_check_samples=0"], 3),
     "rm.sh": ({"PRESET": "z0"}, ["--num_gpus=2"], 0),
+    "kto.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", "kto.generation_check_samples=0"], 2),
     "torchrun.sh": ({"TASK": "sft", "NUM_GPUS": "2", "PRESET": "z0"}, [], 0),
 }
 
@@ -72,7 +73,7 @@ def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
     assert run.zero_stage() == stage
     assert [m["step"] for m in run.train_steps()] == list(range(1, STEPS + 1))
     # Only rank 0 logs: one start-up summary, one progress line per step.
-    assert len(re.findall(r"^align_anything (sft|dpo|rm)$", run.output, re.MULTILINE)) == 1
+    assert len(re.findall(r"^align_anything (sft|dpo|rm|kto)$", run.output, re.MULTILINE)) == 1
     for step in range(1, STEPS + 1):
         assert len(re.findall(rf"^step {step}/{STEPS} ", run.output, re.MULTILINE)) == 1
 

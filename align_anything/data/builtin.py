@@ -20,8 +20,11 @@ The preference data is built so that learning is visible and checkable:
   rise in that share after training is learning, not prior behaviour.
 
 Files: `arith-pref` (96 rows: 12 steps of 8 pairs is one epoch), the held-out `arith-pref-eval`
-(64 rows; its questions appear in no other file) and `arith-sft` (256 conversations whose
-assistant turn is the preferred answer, for the `task=sft` default). These sizes are what
+(64 rows; its questions appear in no other file), `arith-sft` (256 conversations whose
+assistant turn is the preferred answer, for the `task=sft` default) and `arith-kto` (the
+`arith-pref` pairs as 192 unpaired rows, `prompt` + `completion` + `label`, shuffled: for the
+`task=kto` default; each pair's chosen answer is a desirable row, its rejected one an
+undesirable row). These sizes are what
 lets the main job learn the format in 12 steps on 2 CPU cores (README, quick start).
 """
 
@@ -40,6 +43,7 @@ BUILTIN_DATASETS: dict[str, str] = {
     "arith-pref": "arith_pref_train.jsonl",
     "arith-pref-eval": "arith_pref_eval.jsonl",
     "arith-sft": "arith_sft.jsonl",
+    "arith-kto": "arith_kto_train.jsonl",
 }
 
 SEED = 20250601
@@ -150,6 +154,22 @@ def _preference_rows(rng: random.Random, questions: list[tuple]) -> list[dict]:
     return rows
 
 
+def unpaired_rows(pairs: list[dict], rng: random.Random) -> list[dict]:
+    """`pairs` as unpaired rows (KTO's data): each pair's chosen answer with label True, its
+    rejected one with label False (`kind` says which kind of rejected answer; "preferred" for
+    the chosen one), shuffled."""
+    rows = []
+    for pair in pairs:
+        common = {"prompt": pair["prompt"]}
+        extra = {"answer": pair["answer"], "question": pair["question"]}
+        rows.append({**common, "completion": pair["chosen"], "label": True, **extra,
+                     "kind": "preferred"})  # fmt: skip
+        rows.append({**common, "completion": pair["rejected"], "label": False, **extra,
+                     "kind": pair["kind"]})  # fmt: skip
+    rng.shuffle(rows)
+    return rows
+
+
 def chatty_tail(key: tuple, answer: int, rng: random.Random) -> str:
     """Words after the answer, which the strict format does not allow."""
     if key[0] == "larger":
@@ -166,8 +186,9 @@ def generate(seed: int = SEED) -> dict[str, list[dict]]:
     eval_questions = _unique_questions(rng, PREF_EVAL_ROWS, seen)
     train_questions = _unique_questions(rng, PREF_TRAIN_ROWS, seen)
     sft_questions = _unique_questions(rng, SFT_ROWS, seen)
+    train_pairs = _preference_rows(rng, train_questions)
     return {
-        "arith-pref": _preference_rows(rng, train_questions),
+        "arith-pref": train_pairs,
         "arith-pref-eval": _preference_rows(rng, eval_questions),
         "arith-sft": [
             {
@@ -178,6 +199,8 @@ def generate(seed: int = SEED) -> dict[str, list[dict]]:
             }
             for _, prompt, answer, _, _ in sft_questions
         ],
+        # Its own generator: the other files stay as they were before this one existed.
+        "arith-kto": unpaired_rows(train_pairs, random.Random(seed + 1)),
     }
 
 

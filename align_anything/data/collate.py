@@ -65,3 +65,25 @@ def collate_preference(rows: list[Mapping[str, Any]], *, pad_id: int) -> dict[st
             )
         batch["margin"] = torch.tensor([float(row["margin"]) for row in rows], dtype=torch.float32)
     return batch
+
+
+def collate_unpaired(rows: list[Mapping[str, Any]], *, pad_id: int) -> dict[str, Tensor]:
+    """Batch `encode_unpaired` rows: B sequences prompt + completion (`input_ids`,
+    `attention_mask`, `labels` [B, T], -100 on prompt and padding) and `desirable` [B] (bool).
+    When the rows carry `kl_ids` (the completion each row's prompt is paired with for KTO's KL
+    estimate), also the B sequences prompt + kl_ids as `kl_input_ids`, `kl_attention_mask` and
+    `kl_labels` (padded to their own longest row)."""
+    batch = _pad(
+        [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows],
+        [[IGNORE_INDEX] * len(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows],
+        pad_id,
+    )
+    batch["desirable"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
+    if "kl_ids" in rows[0]:
+        kl = _pad(
+            [list(r["prompt_ids"]) + list(r["kl_ids"]) for r in rows],
+            [[IGNORE_INDEX] * len(r["prompt_ids"]) + list(r["kl_ids"]) for r in rows],
+            pad_id,
+        )
+        batch.update({f"kl_{key}": value for key, value in kl.items()})
+    return batch

@@ -17,13 +17,14 @@ Truncation modes (``truncation=``), applied when prompt + completion exceed `max
   leaves no room for any completion token.
 
 For preference pairs the longer of chosen and rejected decides, and a pair that truncation makes
-identical is dropped. For multi-turn SFT the completion is the last assistant turn and the prompt
-everything before it (earlier assistant turns stay targets while they are kept).
+identical is dropped; an unpaired row (KTO) is one prompt and one completion. For multi-turn SFT
+the completion is the last assistant turn and the prompt everything before it (earlier assistant
+turns stay targets while they are kept).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from align_anything.data.formats import SOURCE_ROW, DataReport, RowRejected, as_messages, row_label
@@ -135,44 +136,93 @@ def _encode_conversation(
     return {"input_ids": ids, "labels": labels}
 
 
-def _encode_pair(
-    record: Mapping[str, Any], tokenizer: Any, max_length: int, truncation: str
-) -> dict:
-    for key in ("prompt", "chosen", "rejected"):
+def _read_turns(
+    record: Mapping[str, Any], completions: tuple[str, ...]
+) -> tuple[list[dict], list[list[dict]]]:
+    """The prompt messages and each completion's messages of `record`; a missing column or an
+    empty prompt or completion rejects the row."""
+    for key in ("prompt", *completions):
         if key not in record:
             raise RowRejected(f"record without '{key}'")
     prompt = as_messages(record["prompt"], "prompt", "user")
-    chosen = as_messages(record["chosen"], "chosen", "assistant")
-    rejected = as_messages(record["rejected"], "rejected", "assistant")
+    answers = [as_messages(record[key], key, "assistant") for key in completions]
     if _is_empty(prompt):
         raise RowRejected("empty prompt")
-    if _is_empty(chosen) or _is_empty(rejected):
+    if any(_is_empty(answer) for answer in answers):
         raise RowRejected("empty completion")
+    return prompt, answers
+
+
+def _split_ids(
+    tokenizer: Any, prompt: list[dict], answers: list[list[dict]]
+) -> tuple[list[int], list[list[int]]]:
+    """The prompt's ids (ending with the generation prompt) and each completion's ids after it,
+    cut from the ids of the whole conversation (see the module docstring)."""
+    prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
+    full = [_template_ids(tokenizer, prompt + answer) for answer in answers]
+    if not all(_is_prefix(prompt_ids, ids) for ids in full):
+        raise RowRejected(NOT_A_PREFIX)
+    return prompt_ids, [ids[len(prompt_ids) :] for ids in full]
+
+
+def _extras(record: Mapping[str, Any], consumed: tuple[str, ...]) -> dict:
+    return {k: v for k, v in record.items() if k not in (*consumed, SOURCE_ROW)}
+
+
+def _encode_pair(
+    record: Mapping[str, Any], tokenizer: Any, max_length: int, truncation: str
+) -> dict:
+    prompt, (chosen, rejected) = _read_turns(record, ("chosen", "rejected"))
     if chosen == rejected:
         raise RowRejected("identical chosen and rejected")
-
-    prompt_ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
-    chosen_full = _template_ids(tokenizer, prompt + chosen)
-    rejected_full = _template_ids(tokenizer, prompt + rejected)
-    if not (_is_prefix(prompt_ids, chosen_full) and _is_prefix(prompt_ids, rejected_full)):
-        raise RowRejected(NOT_A_PREFIX)
-    chosen_ids = chosen_full[len(prompt_ids) :]
-    rejected_ids = rejected_full[len(prompt_ids) :]
+    prompt_ids, (chosen_ids, rejected_ids) = _split_ids(tokenizer, prompt, [chosen, rejected])
 
     longest = max(len(chosen_ids), len(rejected_ids))
     cut, keep = _fit(len(prompt_ids), longest, max_length, truncation)
     prompt_ids, chosen_ids, rejected_ids = prompt_ids[cut:], chosen_ids[:keep], rejected_ids[:keep]
     if chosen_ids == rejected_ids:
         raise RowRejected("chosen and rejected identical after truncation")
-    extras = {
-        k: v for k, v in record.items() if k not in ("prompt", "chosen", "rejected", SOURCE_ROW)
-    }
     return {
-        **extras,
+        **_extras(record, ("prompt", "chosen", "rejected")),
         "prompt_ids": prompt_ids,
         "chosen_ids": chosen_ids,
         "rejected_ids": rejected_ids,
     }
+
+
+def _encode_unpaired(
+    record: Mapping[str, Any], tokenizer: Any, max_length: int, truncation: str
+) -> dict:
+    if "label" not in record:
+        raise RowRejected("record without 'label'")
+    prompt, (completion,) = _read_turns(record, ("completion",))
+    prompt_ids, (completion_ids,) = _split_ids(tokenizer, prompt, [completion])
+    cut, keep = _fit(len(prompt_ids), len(completion_ids), max_length, truncation)
+    return {
+        **_extras(record, ("prompt", "completion", "label")),
+        "prompt_ids": prompt_ids[cut:],
+        "completion_ids": completion_ids[:keep],
+        "label": bool(record["label"]),
+    }
+
+
+def _encode_each(
+    records: Sequence[Mapping[str, Any]], tokenizer: Any, encode_one: Callable[..., dict], *,
+    name: str, max_length: int, truncation: str,
+) -> tuple[list[dict], DataReport]:  # fmt: skip
+    """Every record through `encode_one`; the rows it rejects are counted in the report."""
+    _check_arguments(tokenizer, max_length, truncation)
+    report = DataReport(
+        source=f"{name}(max_length={max_length}, truncation={truncation!r})", total=len(records)
+    )
+    rows = []
+    for index, record in enumerate(records):
+        try:
+            rows.append(encode_one(record, tokenizer, max_length, truncation))
+        except RowRejected as reason:
+            report.drop(str(reason), row_label(record, index))
+    report.kept = len(rows)
+    return rows, report
 
 
 def encode_sft(
@@ -222,16 +272,28 @@ def encode_preference(
     Rows with an empty completion, identical chosen and rejected, or that do not fit
     `max_length` under `truncation` are dropped and counted in the report.
     """
-    _check_arguments(tokenizer, max_length, truncation)
-    report = DataReport(
-        source=f"encode_preference(max_length={max_length}, truncation={truncation!r})",
-        total=len(records),
-    )
-    rows = []
-    for index, record in enumerate(records):
-        try:
-            rows.append(_encode_pair(record, tokenizer, max_length, truncation))
-        except RowRejected as reason:
-            report.drop(str(reason), row_label(record, index))
-    report.kept = len(rows)
-    return rows, report
+    return _encode_each(
+        records, tokenizer, _encode_pair, name="encode_preference", max_length=max_length,
+        truncation=truncation,
+    )  # fmt: skip
+
+
+def encode_unpaired(
+    records: Sequence[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    max_length: int,
+    truncation: str = "drop",
+) -> tuple[list[dict], DataReport]:
+    """Encode unpaired records (`formats.unpair`'s) to ``{"prompt_ids", "completion_ids",
+    "label"}`` rows, the label a bool (True: desirable).
+
+    The model sees ``prompt_ids + completion_ids``, split as in `encode_preference`: the prompt
+    ends with the template's generation prompt, the completion includes the end of turn. Rows
+    with an empty prompt or completion, or that do not fit `max_length` under `truncation`, are
+    dropped and counted in the report; other keys pass through.
+    """
+    return _encode_each(
+        records, tokenizer, _encode_unpaired, name="encode_unpaired", max_length=max_length,
+        truncation=truncation,
+    )  # fmt: skip

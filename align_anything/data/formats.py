@@ -6,6 +6,10 @@ Canonical records (what every later stage consumes):
   roles ``system``, ``user``, ``assistant``.
 - preference / hh -> ``{"prompt": [messages up to and including the last user turn],
   "chosen": [assistant message(s)], "rejected": [assistant message(s)]}``.
+- unpaired -> ``{"prompt": [messages], "completion": [assistant message(s)], "label": bool}``:
+  one completion judged desirable (True) or undesirable (False), the data KTO learns from; the
+  file's `label` may be a bool, 1/0 or "good"/"bad" (`unpair` splits preference records into
+  such rows).
 
 Columns a format does not consume (``margin`` for reward models, ids, scores, media) pass through
 unchanged. Every record also remembers where it came from under `SOURCE_ROW` (``"line 12"``), so
@@ -31,7 +35,7 @@ from typing import Any
 from align_anything.data.sources import load_dataset, undecodable_text
 from align_anything.errors import ConfigError, DataError, did_you_mean
 
-FORMATS = ("auto", "conversation", "prompt_response", "preference", "hh")
+FORMATS = ("auto", "conversation", "prompt_response", "preference", "hh", "unpaired")
 ROLES = ("system", "user", "assistant")
 
 # Names `columns` may map; "completion" is accepted as another name for "response".
@@ -44,6 +48,7 @@ CANONICAL_COLUMNS = (
     "rejected",
     "system",
     "margin",
+    "label",
 )
 
 
@@ -182,6 +187,8 @@ def _detect_format(names: set[str], first_row: Mapping[str, Any], source: str, f
         raise _missing_column_error("prompt", source, found, "preference")
     if "messages" in names:
         return "conversation"
+    if {"prompt", "response", "label"} <= names:
+        return "unpaired"
     if "prompt" in names and "response" in names:
         return "prompt_response"
     listed = ", ".join(f"'{c}'" for c in found)
@@ -189,7 +196,8 @@ def _detect_format(names: set[str], first_row: Mapping[str, Any], source: str, f
         f"cannot tell the format of {source} from its columns ({listed}). Formats and the "
         "columns they need: conversation: messages; prompt_response: prompt + response "
         "(or completion); preference: prompt + chosen + rejected; hh: chosen + rejected "
-        "holding '\\n\\nHuman: ... \\n\\nAssistant: ...' transcripts. Set data.format=<format> "
+        "holding '\\n\\nHuman: ... \\n\\nAssistant: ...' transcripts; unpaired: prompt + "
+        "completion + label. Set data.format=<format> "
         "and map your columns, e.g. data.columns.prompt=<column>"
     )
 
@@ -205,6 +213,8 @@ def _required_columns(fmt: str, names: set[str], first_row: Mapping[str, Any]) -
         return ["prompt", "response"]
     if fmt == "hh":
         return ["chosen", "rejected"]
+    if fmt == "unpaired":
+        return ["prompt", "response", "label"]
     # preference: a prompt column is optional only when chosen/rejected are message lists.
     if "prompt" not in names and isinstance(first_row.get("chosen"), list):
         return ["chosen", "rejected"]
@@ -307,13 +317,19 @@ def _conversation_row(row: Mapping[str, Any]) -> dict:
     return {"messages": _with_system(messages, row.get("system"))}
 
 
-def _prompt_response_row(row: Mapping[str, Any]) -> dict:
+def _prompt_and_answer(row: Mapping[str, Any], column: str) -> tuple[list[dict], list[dict]]:
+    """The prompt (ending with a user turn) and the assistant answer after it, read from the
+    `prompt` and `response` columns (`column`: the answer column's name in messages)."""
     prompt = as_messages(row["prompt"], "prompt", "user")
-    response = _only_assistant(
-        _strip_prompt_copy(prompt, as_messages(row["response"], "response", "assistant")),
-        "response",
+    answer = _only_assistant(
+        _strip_prompt_copy(prompt, as_messages(row["response"], column, "assistant")), column
     )
     _ends_with_user(prompt)
+    return prompt, answer
+
+
+def _prompt_response_row(row: Mapping[str, Any]) -> dict:
+    prompt, response = _prompt_and_answer(row, "response")
     return {"messages": _with_system(prompt + response, row.get("system"))}
 
 
@@ -342,6 +358,32 @@ def _preference_row(row: Mapping[str, Any]) -> dict:
         "prompt": _with_system(prompt, row.get("system")),
         "chosen": _only_assistant(chosen, "chosen"),
         "rejected": _only_assistant(rejected, "rejected"),
+    }
+
+
+# Label values of an unpaired row, by what they mean: desirable (True) or undesirable (False).
+LABEL_WORDS = {"good": True, "bad": False, "true": True, "false": False, "1": True, "0": False}
+LABEL_SHAPE = "true/false, 1/0 or good/bad"
+
+
+def parse_label(value: Any) -> bool:
+    """An unpaired row's label as a bool: a bool, the number 1 or 0, or one of `LABEL_WORDS`
+    (any case; CSV files give text). Anything else is rejected with the accepted shapes."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in LABEL_WORDS:
+        return LABEL_WORDS[value.strip().lower()]
+    raise RowRejected(f"label is not {LABEL_SHAPE}")
+
+
+def _unpaired_row(row: Mapping[str, Any]) -> dict:
+    prompt, completion = _prompt_and_answer(row, "completion")
+    return {
+        "prompt": _with_system(prompt, row.get("system")),
+        "completion": completion,
+        "label": parse_label(row["label"]),
     }
 
 
@@ -393,6 +435,7 @@ _CONVERTERS = {
     "prompt_response": (_prompt_response_row, {"prompt", "response", "system"}),
     "preference": (_preference_row, {"prompt", "chosen", "rejected", "system"}),
     "hh": (_hh_row, {"chosen", "rejected"}),
+    "unpaired": (_unpaired_row, {"prompt", "response", "label", "system"}),
 }
 
 
@@ -413,10 +456,11 @@ def load_records(
     dataset name, or a hub dataset name. A single file serves as whichever `split` is asked for;
     slices such as ``train[:100]`` work everywhere.
 
-    `format` is one of ``auto``, ``conversation``, ``prompt_response``, ``preference``, ``hh``.
-    ``auto`` picks, in order: prompt+chosen+rejected -> preference; chosen+rejected holding HH
-    transcripts -> hh (holding message lists -> preference with their shared beginning as the
-    prompt); messages -> conversation; prompt+response (or completion) -> prompt_response.
+    `format` is one of ``auto``, ``conversation``, ``prompt_response``, ``preference``, ``hh``,
+    ``unpaired``. ``auto`` picks, in order: prompt+chosen+rejected -> preference; chosen+rejected
+    holding HH transcripts -> hh (holding message lists -> preference with their shared
+    beginning as the prompt); messages -> conversation; prompt+completion (or response)+label ->
+    unpaired; prompt+response (or completion) -> prompt_response.
 
     `columns` maps canonical names to the file's names, e.g. ``{"prompt": "question"}``.
     Columns the format does not use pass through unchanged. Raises `DataError` for a file that is
@@ -456,7 +500,9 @@ def load_records(
     fmt = format if format != "auto" else _detect_format(names, first_row, source, found)
     for name in _required_columns(fmt, names, first_row):
         if name not in names:
-            raise _missing_column_error(name, source, found, fmt)
+            # An unpaired file calls its answer column `completion` (mapped to `response`).
+            shown = "completion" if fmt == "unpaired" and name == "response" else name
+            raise _missing_column_error(shown, source, found, fmt)
 
     convert, consumed = _CONVERTERS[fmt]
     report = DataReport(source=source, total=len(dataset), format=fmt)
@@ -502,15 +548,59 @@ def split_records(
     return train, evaluation
 
 
+def unpair(records: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """Unpaired records from `records`: each preference record becomes a desirable record
+    (its chosen completion) and an undesirable one (its rejected completion), every desirable
+    record first, then every undesirable one, each group in the given order (TRL's
+    `unpair_preference_dataset` order); other columns and the source row are copied to both.
+    Unpaired records pass through unchanged."""
+    desirable: list[dict] = []
+    undesirable: list[dict] = []
+    passed: list[dict] = []
+    for record in records:
+        if "chosen" not in record:
+            passed.append(dict(record))
+            continue
+        rest = {k: v for k, v in record.items() if k not in ("chosen", "rejected")}
+        desirable.append({**rest, "completion": record["chosen"], "label": True})
+        undesirable.append({**rest, "completion": record["rejected"], "label": False})
+    return passed + desirable + undesirable
+
+
+# What a task of a record kind also accepts (KTO: preference pairs, each split in two rows).
+_ALSO_ACCEPTED = {"unpaired": ("preference",)}
+_WANTED = {
+    "conversation": "conversation data",
+    "preference": "preference data",
+    "unpaired": "unpaired data (prompt, completion, label) or preference pairs",
+}
+_FOUND = {
+    "conversation": "conversations",
+    "preference": "preference pairs",
+    "unpaired": "unpaired rows (prompt, completion, label)",
+}
+
+
+def record_kind(record: Mapping[str, Any]) -> str:
+    """Which kind of canonical record `record` is: "preference" (it has `chosen`; such files
+    often carry a `messages` copy too), "unpaired" (`completion` and `label`) or
+    "conversation"."""
+    if "chosen" in record:
+        return "preference"
+    if "completion" in record and "label" in record:
+        return "unpaired"
+    return "conversation"
+
+
 def check_kind(records: Sequence[Mapping[str, Any]], kind: str, *, source: str, task: str) -> None:
-    """Fail once, clearly, when a dataset holds the other record kind than the task needs
-    ("conversation" or "preference")."""
+    """Fail once, clearly, when a dataset holds another record kind than the task needs
+    ("conversation", "preference", or "unpaired", which also takes preference pairs)."""
     if not records:
         return
-    key = "messages" if kind == "conversation" else "chosen"
-    if key not in records[0]:
-        found = "preference pairs" if "chosen" in records[0] else "conversations"
-        raise DataError(
-            f"task={task} needs {kind} data, but {source} holds {found}. "
-            f"Choose a {kind} dataset with data.path=..."
-        )
+    found = record_kind(records[0])
+    if found == kind or found in _ALSO_ACCEPTED.get(kind, ()):
+        return
+    raise DataError(
+        f"task={task} needs {_WANTED[kind]}, but {source} holds {_FOUND[found]}. "
+        f"Choose such a dataset with data.path=..."
+    )

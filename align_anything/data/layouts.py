@@ -2,7 +2,9 @@
 
 DPO: the plain path runs `prompt + chosen` and `prompt + rejected` as two rows, so the prompt
 goes through the model twice; in chat data it is most of each row (SmolLM2's template adds a
-system prompt of ~30 tokens). Here each pair is one row `prompt + chosen + rejected`.
+system prompt of ~30 tokens). Here each pair is one row `prompt + chosen + rejected`. KTO's
+reference passes score a row's completion and its KL completion after the same prompt, so they
+take the same layout.
 SFT: the rows of a micro-batch usually share the system prompt and the template's header; the
 micro-batch becomes one row `common prefix + rest_1 + rest_2 + …`.
 
@@ -133,17 +135,21 @@ def collate_shared_prefix(
 
 
 def collate_shared_prompt(
-    rows: Sequence[Mapping[str, Any]], *, pad_id: int, additive_mask_dtype: torch.dtype | None
-) -> dict[str, Tensor]:
-    """Batch `encode_preference` rows into B rows `prompt + chosen + rejected` (see
-    `collate_shared_prefix`); pair i's chosen is sequence i, its rejected B + i, the layout of
-    the plain path."""
+    rows: Sequence[Mapping[str, Any]], *, pad_id: int, additive_mask_dtype: torch.dtype | None,
+    completions: tuple[str, str] = ("chosen_ids", "rejected_ids"),
+) -> dict[str, Tensor]:  # fmt: skip
+    """Batch rows with one prompt and two completions into B rows `prompt + first + second`
+    (see `collate_shared_prefix`); row i's first completion is sequence i, its second B + i,
+    the layout of the plain path. `completions` names the two: a DPO pair's chosen and rejected
+    (`encode_preference` rows), or a KTO row's completion and the completion its prompt is
+    paired with for the KL estimate."""
     batch = len(rows)
+    first, second = completions
     groups = [
         PrefixGroup(
             list(row["prompt_ids"]),
-            [list(row["chosen_ids"]), list(row["rejected_ids"])],
-            [list(row["chosen_ids"]), list(row["rejected_ids"])],
+            [list(row[first]), list(row[second])],
+            [list(row[first]), list(row[second])],
             [i, batch + i],
         )
         for i, row in enumerate(rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from align_anything.trainers.base import Trainer
 from align_anything.trainers.dpo import DPOTrainer
+from align_anything.trainers.kto import KTOTrainer
 from align_anything.trainers.rm import RMTrainer
 from align_anything.trainers.sft import SFTTrainer
 
@@ -11,4 +12,5 @@ REGISTRY: dict[str, type[Trainer]] = {
     "sft": SFTTrainer,
     "dpo": DPOTrainer,
     "rm": RMTrainer,
+    "kto": KTOTrainer,
 }

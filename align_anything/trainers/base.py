@@ -2,8 +2,8 @@
 checkpoints and the final export.
 
 A task's trainer adds only its data encoding and its batch → loss (`encode`, `collate`,
-`count_items`, `compute_loss`, optionally `build_model`, `after_engine`, `evaluate_extra`,
-`finalize_metrics`). What the steps use lives beside this file: `batching` (which rows form a
+`count_items`, `compute_loss`, optionally `build_model`, `after_engine`, `step_rows`,
+`before_step`, `evaluate_extra`, `finalize_metrics`). What the steps use lives beside this file: `batching` (which rows form a
 step), `checkpoints` (the store, RNG state, resume checks), `output_dir` (lock and run.json),
 `report` (what the user reads), `tracking` (metrics sinks, progress), `preemption` (signals).
 """
@@ -57,7 +57,7 @@ class Trainer:
     """Lifecycle: `setup()` → `train()` (evaluates before and after) → `save()` → `cleanup()`."""
 
     task: ClassVar[str]
-    # Data format the task consumes: "conversation" or "preference".
+    # Data format the task consumes: "conversation", "preference" or "unpaired".
     record_kind: ClassVar[str]
     # What `samples_per_second` counts ("tokens": not logged, tokens_per_second says it).
     count_unit: ClassVar[str] = "samples"
@@ -103,6 +103,15 @@ class Trainer:
         item count for logging.
         """
         raise NotImplementedError
+
+    def step_rows(self, step: int, indices: list[int]) -> list[dict]:
+        """The encoded rows of one micro-batch of step `step` (KTO adds what depends on the
+        step: the completion each row's prompt is paired with for its KL estimate)."""
+        return [self.train_rows[i] for i in indices]
+
+    def before_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        """Work on this rank's micro-batches of a step before any of their losses: a statistic
+        of the whole global batch (KTO's KL reference point). Collective where it reduces."""
 
     def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Derive logged figures from averaged metrics (e.g. perplexity from loss)."""
@@ -340,10 +349,7 @@ class Trainer:
             seed=self.cfg.train.seed, steps_per_epoch=self.steps_per_epoch,
             lengths=self._row_lengths if self.cfg.speed.group_by_length else None,
         )  # fmt: skip
-        return [
-            self._to_device(self.collate_with_media([self.train_rows[i] for i in s]))
-            for s in slices
-        ]
+        return [self._to_device(self.collate_with_media(self.step_rows(step, s))) for s in slices]
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         device = self.engine.device
@@ -375,6 +381,7 @@ class Trainer:
         backward, the update, the weight average. Stops on a non-finite loss (before the
         update) or gradient norm (after it, before any checkpoint)."""
         micro_batches = self._micro_batches_for_step(self.step)
+        self.before_step(micro_batches)
         _, (items, tokens) = comm.sum_metrics(
             {}, [], sum(self.count_items(b) for b in micro_batches),
             sum(int(b["attention_mask"].sum()) for b in micro_batches),

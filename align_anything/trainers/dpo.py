@@ -12,7 +12,6 @@ a partitioned inference engine).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -21,26 +20,15 @@ from align_anything.backend import distributed as comm
 from align_anything.backend.engine import InferenceEngine
 from align_anything.backend.zero_init import model_init_context
 from align_anything.data import DataReport, collate_preference, encode_preference
-from align_anything.data.builtin import has_preferred_property
 from align_anything.data.layouts import collate_shared_prompt, mask_dtype, supports_shared_prompt
 from align_anything.forward import completion_forward, shared_prefix_logps
 from align_anything.losses import dpo_loss, needs_reference
 from align_anything.models import lora
+from align_anything.trainers import generation
 from align_anything.trainers.base import Trainer
 from align_anything.trainers.batching import shard_chunks, step_indices
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
-
-# Built-in datasets whose preferred property a program can check on a generated answer.
-PROPERTY_CHECKS: dict[str, Callable[[dict, str], bool]] = {
-    "arith-pref": has_preferred_property,
-    "arith-pref-eval": has_preferred_property,
-}
-
-
-def property_check(data_path: str) -> Callable[[dict, str], bool] | None:
-    """The generation check of a built-in dataset, or None for other data."""
-    return PROPERTY_CHECKS.get(data_path)
 
 
 class DPOTrainer(Trainer):
@@ -270,53 +258,7 @@ class DPOTrainer(Trainer):
     # ------------------------------------------------------------------ generation check
 
     def evaluate_extra(self, label: str) -> dict[str, float]:
-        samples = self.cfg.dpo.generation_check_samples
-        check = property_check(self.cfg.data.eval_path or self.cfg.data.path)
-        if not samples or check is None or not self.eval_records:
-            return {}
-        return {"eval/generation_check": self._generation_check(check, samples)}
-
-    @torch.no_grad()
-    def _generation_check(self, check: Callable[[dict, str], bool], samples: int) -> float:
-        """Share of held-out prompts whose greedy answer has the dataset's preferred property."""
-        records = self.eval_records[:samples]
-        world = self.dist.world_size
-        module = self.engine.module
-        module.eval()
-        tokenizer = self.tokenizer
-        passed = 0
-        for chunk in shard_chunks(len(records), chunk=16, rank=self.dist.rank, world=world):
-            real = chunk is not None
-            chunk = chunk or [0]
-            prompts = [
-                tokenizer.apply_chat_template(
-                    records[i]["prompt"], add_generation_prompt=True, tokenize=False
-                )
-                for i in chunk
-            ]
-            tokenizer.padding_side = "left"
-            try:
-                encoded = tokenizer(
-                    prompts, return_tensors="pt", padding=True, add_special_tokens=False
-                )
-            finally:
-                tokenizer.padding_side = "right"
-            encoded = {k: v.to(self.engine.device) for k, v in encoded.items()}
-            output = module.generate(
-                **encoded,
-                max_new_tokens=self.cfg.dpo.generation_max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                synced_gpus=world > 1 and self.engine.zero_stage == 3,
-            )
-            texts = tokenizer.batch_decode(
-                output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
-            )
-            if real:
-                passed += sum(
-                    bool(check(records[i], text)) for i, text in zip(chunk, texts, strict=True)
-                )
-        self.engine.train()
-        total = torch.tensor([float(passed)], dtype=torch.float64)
-        comm.all_reduce_sum(total)
-        return float(total[0]) / len(records)
+        cfg = self.cfg.dpo
+        return generation.held_out_check(
+            self, samples=cfg.generation_check_samples, max_new_tokens=cfg.generation_max_new_tokens
+        )
