@@ -40,7 +40,7 @@ from align_anything.backend import ds_config as dsc
 from align_anything.backend import memory
 from align_anything.config import AUTO_PRESET, RunConfig, load_preset, merge_nested
 from align_anything.errors import ConfigError
-from align_anything.losses import REFERENCE_FREE_LOSS_TYPES
+from align_anything.losses import needs_reference
 from align_anything.models.loading import text_hidden_size
 from align_anything.models.sizes import ModelSizes, model_sizes
 
@@ -243,7 +243,7 @@ def _has_reference_model(cfg: RunConfig) -> bool:
         return False
     if cfg.task == "kto":
         return cfg.kto is not None
-    return cfg.dpo is not None and cfg.dpo.loss_type not in REFERENCE_FREE_LOSS_TYPES
+    return cfg.dpo is not None and needs_reference(cfg.dpo.loss_terms()[0])
 
 
 def device_budget(cfg: RunConfig, *, gpus_per_node: int) -> tuple[float, str]:
