@@ -283,6 +283,18 @@ class Setup:
     trl_variants: tuple[tuple[str, bool, str, dict[str, Any]], ...] | None = None
 
 
+# align_anything's variants: its defaults; every switchable optimisation off; like TRL's
+# defaults, with activation checkpointing.
+OURS_VARIANTS: dict[str, list[str]] = {
+    "align_anything": [],
+    "align_anything plain": [
+        "speed.share_prefix=false",
+        "speed.completion_only_logits=false",
+        "speed.tied_grads_in_place=false",
+    ],
+    "align_anything GC": ["speed.gradient_checkpointing=true"],
+}
+
 # TRL as shipped; without gradient checkpointing; and also with torch's fused AdamW (the
 # implementation align_anything uses on CPU): its fastest configuration here.
 TRL_VARIANTS: tuple[tuple[str, bool, str, dict[str, Any]], ...] = (

@@ -20,7 +20,7 @@ and with its own precomputed reference (timed too). Needs the `bench` extra
 
 from __future__ import annotations
 
-from common import Setup, encoded_in_order, main, unpaired_rows
+from common import OURS_VARIANTS, Setup, encoded_in_order, main, unpaired_rows
 
 METRICS = [("step-1 loss", "loss"), ("step-1 kl", "kl"), ("step-1 logps/chosen", "logps/chosen"),
            ("step-1 logps/rejected", "logps/rejected")]  # fmt: skip
@@ -62,17 +62,7 @@ def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float
         learning_rate=learning_rate,
         ours_rows=rows,
         trl_rows=[rows[i] for i in order],
-        ours_variants={
-            "align_anything": [],
-            # Every switchable optimisation off: two plain reference rows, full logits.
-            "align_anything plain": [
-                "speed.share_prefix=false",
-                "speed.completion_only_logits=false",
-                "speed.tied_grads_in_place=false",
-            ],
-            # Like TRL's defaults, with activation checkpointing.
-            "align_anything GC": ["speed.gradient_checkpointing=true"],
-        },
+        ours_variants=OURS_VARIANTS,
         tokens=sum(sum(pair) for pair in lengths),
         token_lengths=lengths,
         extra_spec={"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
