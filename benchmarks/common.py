@@ -63,6 +63,22 @@ def preference_rows(name: str, count: int) -> list[dict[str, Any]]:
     ]
 
 
+def unpaired_rows(name: str, count: int) -> list[dict[str, Any]]:
+    """The first `count` rows of a built-in unpaired set (prompt, completion, label) as
+    conversational records, the form both trainers read the same way."""
+    rows = read_jsonl(builtin_path(name))[:count]
+    if len(rows) < count:
+        raise SystemExit(f"{name} has {len(rows)} rows, fewer than the {count} asked for")
+    return [
+        {
+            "prompt": [{"role": "user", "content": r["prompt"]}],
+            "completion": [{"role": "assistant", "content": r["completion"]}],
+            "label": bool(r["label"]),
+        }
+        for r in rows
+    ]
+
+
 def conversation_rows(name: str, count: int) -> list[dict[str, Any]]:
     """The first `count` single-turn conversations of a built-in SFT set."""
     rows = read_jsonl(builtin_path(name))[:count]
@@ -116,6 +132,7 @@ class RunRecord:
     first_step: dict[str, float]
     second_step: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    steps: list[dict[str, float]] = field(default_factory=list)  # every logged step
 
 
 def child_env(threads: int | None) -> dict[str, str]:
@@ -163,6 +180,7 @@ def run_ours(
         first_step=steps[0],
         second_step=steps[1] if len(steps) > 1 else {},
         extra={"reference_seconds": reference},
+        steps=steps,
     )
 
 
@@ -173,15 +191,17 @@ def run_trl(variant: str, spec: dict[str, Any], *, workdir: Path, env: dict[str,
     spec_path.write_text(json.dumps({**spec, "output_dir": str(out)}))
     rss = run_child([sys.executable, str(TRL_CHILD), str(spec_path)], env=env, log=out / "run.log")
     result = json.loads((out / "result.json").read_text())
+    reference = float(result.get("reference_seconds") or 0.0)  # a precomputed reference pass
     return RunRecord(
         variant=variant,
-        seconds=float(sum(result["step_seconds"])),
+        seconds=float(sum(result["step_seconds"])) + reference,
         step_seconds=result["step_seconds"],
         tokens=0,
         peak_rss_mib=rss,
         first_step=result["logs"][0],
         second_step=result["logs"][1] if len(result["logs"]) > 1 else {},
-        extra={"token_lengths": result["token_lengths"]},
+        extra={"token_lengths": result["token_lengths"], "reference_seconds": reference},
+        steps=result["logs"],
     )
 
 
@@ -247,7 +267,7 @@ def summary_table(
 class Setup:
     """One side-by-side comparison: the shared hyper-parameters and both sides' inputs."""
 
-    task: str  # "dpo" | "sft"
+    task: str  # "dpo" | "sft" | "kto"
     steps: int
     batch: int
     max_length: int
@@ -260,6 +280,29 @@ class Setup:
     extra_spec: dict[str, Any] = field(default_factory=dict)
     extra_overrides: list[str] = field(default_factory=list)
     model: str = MODEL  # a built-in name both sides load from the same local folder
+    # TRL variants: (name, gradient checkpointing, optimizer, extra spec); None: TRL_VARIANTS.
+    trl_variants: tuple[tuple[str, bool, str, dict[str, Any]], ...] | None = None
+
+
+# align_anything's variants: its defaults; every switchable optimisation off; like TRL's
+# defaults, with activation checkpointing.
+OURS_VARIANTS: dict[str, list[str]] = {
+    "align_anything": [],
+    "align_anything plain": [
+        "speed.share_prefix=false",
+        "speed.completion_only_logits=false",
+        "speed.tied_grads_in_place=false",
+    ],
+    "align_anything GC": ["speed.gradient_checkpointing=true"],
+}
+
+# TRL as shipped; without gradient checkpointing; and also with torch's fused AdamW (the
+# implementation align_anything uses on CPU): its fastest configuration here.
+TRL_VARIANTS: tuple[tuple[str, bool, str, dict[str, Any]], ...] = (
+    ("TRL defaults", True, "adamw_torch", {}),
+    ("TRL no-GC", False, "adamw_torch", {}),
+    ("TRL no-GC fused", False, "adamw_torch_fused", {}),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, batch_help: str) -> None:
@@ -285,16 +328,9 @@ def run_comparison(
     runners: dict[str, Callable[[], RunRecord]] = {}
     for name, extra in setup.ours_variants.items():
         runners[name] = lambda n=name, e=extra: run_ours(n, overrides + e, workdir=workdir, env=env)
-    # TRL as shipped; without gradient checkpointing; and also with torch's fused AdamW (the
-    # implementation align_anything uses on CPU): its fastest configuration here.
-    trl_variants = (
-        ("TRL defaults", True, "adamw_torch"),
-        ("TRL no-GC", False, "adamw_torch"),
-        ("TRL no-GC fused", False, "adamw_torch_fused"),
-    )
-    for name, checkpointing, optim in trl_variants:
-        runners[name] = lambda n=name, c=checkpointing, o=optim: run_trl(
-            n, {**spec, "gradient_checkpointing": c, "optim": o}, workdir=workdir, env=env
+    for name, checkpointing, optim, extra_spec in setup.trl_variants or TRL_VARIANTS:
+        runners[name] = lambda n=name, c=checkpointing, o=optim, x=extra_spec: run_trl(
+            n, {**spec, "gradient_checkpointing": c, "optim": o, **x}, workdir=workdir, env=env
         )
     if only:
         wanted = [name.strip() for name in only.split(",")]
@@ -334,10 +370,30 @@ def child_inputs(setup: Setup, workdir: Path) -> tuple[list[str], dict[str, Any]
     return overrides, spec
 
 
+def step_differences(
+    records: dict[str, list[RunRecord]], ours: str, keys: tuple[str, ...]
+) -> dict[str, tuple[float, int]]:
+    """Key -> (the largest |difference| from `ours` at any logged step of any variant's first
+    run, the number of steps compared)."""
+    want = records[ours][0].steps
+    found: dict[str, tuple[float, int]] = {}
+    for key in keys:
+        worst, compared = 0.0, 0
+        for runs in records.values():
+            for mine, theirs in zip(want, runs[0].steps, strict=False):
+                if key in mine and key in theirs:
+                    worst = max(worst, abs(float(mine[key]) - float(theirs[key])))
+                    compared += 1
+        found[key] = (worst, compared)
+    return found
+
+
 def report(
-    setup: Setup, records: dict[str, list[RunRecord]], metrics: list[tuple[str, str]]
-) -> str:
-    """The table, the token-count check and the step-1 agreement, as markdown."""
+    setup: Setup, records: dict[str, list[RunRecord]], metrics: list[tuple[str, str]],
+    every_step: tuple[str, ...] = (),
+) -> str:  # fmt: skip
+    """The table, the token-count check and the step-1 agreement (and, for `every_step` keys,
+    the agreement at every step), as markdown."""
     ours = next(name for name in records if name in setup.ours_variants)
     trl_runs = [
         r for name, runs in records.items() for r in runs if name not in setup.ours_variants
@@ -363,6 +419,13 @@ def report(
         ours_value = values[ours]
         worst = max(abs(v - ours_value) for v in values.values() if v is not None)
         lines.append(f"- step-1 `{key}`: largest difference from {ours} {worst:.2e}")
+    for key, (worst, compared) in step_differences(records, ours, every_step).items():
+        lines.append(
+            f"- every step (1..{setup.steps}) `{key}`: largest difference from {ours} "
+            f"{worst:.2e} ({compared} values compared)"
+        )
+        values = [m.get(key) for m in records[ours][0].steps]
+        lines.append(f"  - {ours}'s `{key}` per step: " + ", ".join(f"{v:.6f}" for v in values))
     if all(r.second_step for runs in records.values() for r in runs):
         values = {name: runs[0].second_step.get("loss") for name, runs in records.items()}
         lines.append(
@@ -387,8 +450,9 @@ def report(
 
 
 def main(
-    build_setup: Callable[..., Setup], metrics: list[tuple[str, str]], *, doc: str, batch_help: str
-) -> None:
+    build_setup: Callable[..., Setup], metrics: list[tuple[str, str]], *, doc: str,
+    batch_help: str, every_step: tuple[str, ...] = (),
+) -> None:  # fmt: skip
     """Command line of a side-by-side benchmark: parse, build the rows, run, print the report."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     add_arguments(parser, batch_help=batch_help)
@@ -400,4 +464,4 @@ def main(
     records = run_comparison(setup, repeats=args.repeats, threads=args.threads, only=args.only)
     print()
     print(f"load average at the end: {os.getloadavg()}")
-    print(report(setup, records, metrics))
+    print(report(setup, records, metrics, every_step))

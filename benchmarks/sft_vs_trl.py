@@ -17,6 +17,7 @@ defaults (gradient checkpointing on) and with gradient checkpointing off. Needs 
 from __future__ import annotations
 
 from common import (
+    OURS_VARIANTS,
     Setup,
     as_prompt_completion,
     conversation_rows,
@@ -48,17 +49,7 @@ def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float
         learning_rate=learning_rate,
         ours_rows=rows,
         trl_rows=[as_prompt_completion(rows[i]) for i in order],
-        ours_variants={
-            "align_anything": [],
-            # Every switchable optimisation off.
-            "align_anything plain": [
-                "speed.share_prefix=false",
-                "speed.completion_only_logits=false",
-                "speed.tied_grads_in_place=false",
-            ],
-            # Like TRL's defaults, with activation checkpointing.
-            "align_anything GC": ["speed.gradient_checkpointing=true"],
-        },
+        ours_variants=OURS_VARIANTS,
         tokens=sum(length for length, _ in lengths),
         token_lengths=lengths,
         extra_overrides=["sft.assistant_only_loss=true"],

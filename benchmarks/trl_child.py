@@ -3,12 +3,13 @@ sft_vs_trl.py in its own process, so that its peak RSS is its own).
 
     python benchmarks/trl_child.py SPEC.json
 
-SPEC holds: task (dpo|sft), model_path, rows_path (JSONL in the order to train on), batch,
+SPEC holds: task (dpo|sft|kto), model_path, rows_path (JSONL in the order to train on), batch,
 steps, max_length, learning_rate, adam betas/eps, weight_decay, max_grad_norm, seed,
-gradient_checkpointing, output_dir; for DPO beta and optionally loss_type (a list; default
-["sigmoid"]), loss_weights, label_smoothing and discopop_tau. Writes output_dir/result.json:
-per-step wall times (a callback around each optimizer step), the logged figures of every step,
-and the token length of every tokenised row (to compare with align_anything's encoding).
+gradient_checkpointing, output_dir; beta (DPO, KTO); for DPO optionally loss_type (a list;
+default ["sigmoid"]), loss_weights, label_smoothing and discopop_tau; for KTO desirable_weight /
+undesirable_weight and precompute_ref_log_probs. Writes output_dir/result.json: per-step wall
+times (a callback around each optimizer step), the logged figures of every step, and the token
+length of every tokenised row (to compare with align_anything's encoding).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def main(spec_path: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     timer = StepTimer()
+    reference_seconds: list[float] = []
     dataset = Dataset.from_list(rows)
     if spec["task"] == "dpo":
         from trl import DPOConfig, DPOTrainer
@@ -99,6 +101,39 @@ def main(spec_path: str) -> None:
             ]
             for r in encoded
         ]
+    elif spec["task"] == "kto":
+        from trl import KTOConfig, KTOTrainer
+
+        # With precompute_ref_log_probs, TRL's reference pass runs inside the constructor,
+        # outside the step timer: time it, as align_anything's pass counts as training time.
+        precompute = KTOTrainer._precompute_ref_logps
+
+        def timed_precompute(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            try:
+                return precompute(self, *args, **kwargs)
+            finally:
+                reference_seconds.append(time.perf_counter() - start)
+
+        KTOTrainer._precompute_ref_logps = timed_precompute
+        args = KTOConfig(
+            **common_args(spec), beta=spec["beta"], desirable_weight=spec["desirable_weight"],
+            undesirable_weight=spec["undesirable_weight"],
+            precompute_ref_log_probs=spec.get("precompute_ref_log_probs", False),
+        )  # fmt: skip
+        trainer = KTOTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+            callbacks=[timer],
+        )  # fmt: skip
+        encoded = trainer.train_dataset
+        # Each row's sequence and its KL sequence (the prompt with another row's completion).
+        lengths = [
+            [
+                len(r["prompt_ids"]) + len(r["completion_ids"]),
+                len(r["prompt_ids"]) + len(r["KL_completion_ids"]),
+            ]
+            for r in encoded
+        ]
     else:
         from trl import SFTConfig, SFTTrainer
 
@@ -112,7 +147,10 @@ def main(spec_path: str) -> None:
         lengths = [[len(r["input_ids"]), sum(t != -100 for t in r["labels"])] for r in encoded]
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    result = {"step_seconds": timer.step_seconds, "logs": logs, "token_lengths": lengths}
+    result = {
+        "step_seconds": timer.step_seconds, "logs": logs, "token_lengths": lengths,
+        "reference_seconds": sum(reference_seconds),
+    }  # fmt: skip
     (Path(spec["output_dir"]) / "result.json").write_text(json.dumps(result))
 
 

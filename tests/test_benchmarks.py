@@ -15,6 +15,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import common  # noqa: E402
 import dpo_vs_trl  # noqa: E402
 import gpu_bench  # noqa: E402
+import kto_vs_trl  # noqa: E402
 import sft_vs_trl  # noqa: E402
 import trl_child  # noqa: E402, F401  (imports without TRL: TRL is imported inside main)
 
@@ -56,6 +57,31 @@ def test_setup_orders_rows_and_counts_tokens(module) -> None:
         assert setup.trl_rows == [common.as_prompt_completion(setup.ours_rows[i]) for i in order]
         assert setup.tokens == sum(length for length, _ in setup.token_lengths)
     assert setup.tokens > 4 * 30  # SmolLM2's template adds a ~30-token system prompt
+
+
+def test_kto_setup_pairs_kl_completions_as_both_trainers_do() -> None:
+    setup = kto_vs_trl.build_setup(steps=2, batch=4, max_length=128, learning_rate=1e-5)
+    order = common.training_order(8, batch=4, steps=2)
+    assert setup.trl_rows == [setup.ours_rows[i] for i in order]
+    assert {r["label"] for r in setup.ours_rows} == {True, False}  # both kinds in the rows
+    assert setup.tokens == sum(sum(pair) for pair in setup.token_lengths)
+    # Row k of each batch (training order) borrows the completion of row k - 1, the first row
+    # the last one's: TRL's rotation of its sequential batches.
+    prompts, completions = [10, 20, 30, 40], [1, 2, 3, 4]
+    assert kto_vs_trl.kl_partner_lengths([2, 0, 3, 1], prompts, completions, batch=2) == [
+        30 + 1, 10 + 3, 40 + 2, 20 + 4,
+    ]  # fmt: skip
+
+
+def test_step_differences_compare_every_logged_step() -> None:
+    ours = _record("ours", 1.0, 1.0, 0.5)
+    ours.steps = [{"kl": 0.0}, {"kl": 0.25}]
+    peer = _record("peer", 1.0, 1.0, 0.5)
+    peer.steps = [{"kl": 0.0}, {"kl": 0.2501}]
+    worst, compared = common.step_differences({"ours": [ours], "peer": [peer]}, "ours", ("kl",))[
+        "kl"
+    ]
+    assert worst == pytest.approx(1e-4) and compared == 4
 
 
 def _record(name: str, seconds: float, rss: float, loss: float) -> common.RunRecord:

@@ -32,6 +32,7 @@ from align_anything.trainers.kto import (
     kl_completion,
     pair_logps,
     rotated_partners,
+    sequence_logps,
 )
 
 SIGMOID_1 = 0.7310585786300049
@@ -323,7 +324,10 @@ def test_balance_note_recommends_the_papers_weights() -> None:
 # ---------------------------------------------------------------------------- reference passes
 
 
-KL_ROWS = [
+# Rows of different prompt, completion and KL completion lengths (ids from the tiny vocabulary).
+# DISTINCT: prompts share nothing; HEADER: every prompt starts with the same 6 ids, as a chat
+# template's system prompt and header do, so one-row layouts pay.
+DISTINCT = [
     {
         "prompt_ids": [5, 6, 7, 8, 9],
         "completion_ids": [10, 11, 12],
@@ -333,37 +337,61 @@ KL_ROWS = [
     {"prompt_ids": [20, 21], "completion_ids": [22], "kl_ids": [23, 24, 25, 26], "label": False},
     {"prompt_ids": [30, 31, 32], "completion_ids": [33, 34], "kl_ids": [10], "label": True},
 ]
+HEADER = [{**row, "prompt_ids": [40, 41, 42, 43, 44, 45, *row["prompt_ids"]]} for row in DISTINCT]
+
+
+def _tiny(attn: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_model_path("tiny-random-llama"), dtype=torch.float32, attn_implementation=attn
+    )
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("completion_only", [True, False])
-def test_reference_pass_shared_prompt_equals_two_plain_rows(
-    attn: str, completion_only: bool
-) -> None:
-    """The reference's pass over prompt + completion + KL completion as one row gives the
-    log-probs of the two plain rows, with or without completion-only logits; and those equal a
-    plain forward with full logits."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path("tiny-random-llama"), dtype=torch.float32, attn_implementation=attn
-    ).eval()
+@pytest.mark.parametrize("rows", [DISTINCT, HEADER], ids=["distinct", "header"])
+def test_shared_layouts_equal_the_plain_rows(rows, attn: str, completion_only: bool) -> None:
+    """Every pass KTO makes (the policy's trained rows with their gradients, its KL rows, the
+    reference's pass over both) gives the plain rows' numbers in the shared-prefix layouts, with
+    or without completion-only logits; and the plain path equals a forward with full logits."""
+    model = _tiny(attn)
     assert supports_shared_prompt(model.config)
     mask = torch.float32 if attn == "eager" else None
-    plain = collate_rows(KL_ROWS, pad_id=0, share_prompt=False, additive_mask_dtype=mask)
-    shared = collate_rows(KL_ROWS, pad_id=0, share_prompt=True, additive_mask_dtype=mask)
-    assert "pair_input_ids" in shared and "pair_input_ids" not in plain
-    own_plain, kl_plain = pair_logps(model, plain, completion_only=completion_only)
-    own_shared, kl_shared = pair_logps(model, shared, completion_only=completion_only)
+    plain = collate_rows(rows, pad_id=0, share_prefix=False, additive_mask_dtype=mask)
+    shared = collate_rows(rows, pad_id=0, share_prefix=True, additive_mask_dtype=mask)
+    one_row = rows is HEADER
+    assert ("shared_own_input_ids" in shared) is one_row and (
+        "shared_kl_input_ids" in shared
+    ) is one_row
+    assert "pair_input_ids" in shared and not any(k.startswith("shared_") for k in plain)
+    if one_row:  # the common prefix once: one row per layout
+        assert shared["shared_own_input_ids"].shape[0] == shared["pair_input_ids"].shape[0] == 1
+
+    def trained(batch):
+        model.zero_grad()
+        logps = sequence_logps(model, batch, kl=False, completion_only=completion_only)
+        (logps * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    (own_plain, grads_plain), (own_shared, grads_shared) = trained(plain), trained(shared)
     torch.testing.assert_close(own_shared, own_plain, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(kl_shared, kl_plain, rtol=1e-5, atol=1e-5)
+    for name, grad in grads_plain.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(grads_shared[name], grad, rtol=0, atol=1e-5 * scale, msg=name)
     with torch.no_grad():
+        kl_plain = sequence_logps(model, plain, kl=True, completion_only=completion_only)
+        kl_shared = sequence_logps(model, shared, kl=True, completion_only=completion_only)
         full, counts = completion_forward(model, plain, completion_only=False)
+    torch.testing.assert_close(kl_shared, kl_plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(own_plain, full, rtol=1e-5, atol=1e-5)
     assert counts.tolist() == [3, 1, 2]
-    # Rows carrying precomputed log-probs need neither layout.
-    with_ref = [{**r, "ref_logps": -1.0, "ref_kl_logps": -2.0} for r in KL_ROWS]
-    batch = collate_rows(with_ref, pad_id=0, share_prompt=True, additive_mask_dtype=mask)
+    for got, want in zip(pair_logps(model, shared, completion_only=completion_only),
+                         (own_plain, kl_plain), strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Rows carrying precomputed log-probs need no reference layout.
+    with_ref = [{**r, "ref_logps": -1.0, "ref_kl_logps": -2.0} for r in rows]
+    batch = collate_rows(with_ref, pad_id=0, share_prefix=True, additive_mask_dtype=mask)
     assert "pair_input_ids" not in batch and batch["ref_kl_logps"].tolist() == [-2.0] * 3
 
 

@@ -140,12 +140,14 @@ def test_kto_two_ranks_zero3_with_a_reference_model_match_one_rank(
 def test_kto_accumulation_on_the_plain_path_matches_one_micro_batch(
     kto_runs: dict[str, RunResult],
 ) -> None:
-    """Micro 1 × accumulation 4 with every speed switch off (two plain reference rows, full
-    logits): the step's z₀ comes from all four micro-batches before any loss, so the losses
+    """Micro 1 × accumulation 4 with every speed switch off (plain rows everywhere, full
+    logits) against micro 4 with the defaults (the micro-batch's common prefix once, completion-
+    only logits): the step's z₀ comes from all four micro-batches before any loss, so the losses
     equal micro 4's; and the generation check runs for KTO too."""
     run = kto_runs["accum4-plain"]
     _assert_same_steps(run, kto_runs["single"], "accumulation 4, plain path")
-    assert "two rows" in run.summary_line("reference")
+    assert run.summary_line("rows").startswith("plain rows")
+    assert "common prefix once" in kto_runs["single"].summary_line("rows")
     for phase in ("before", "after"):
         assert 0.0 <= run.eval(phase)["eval/generation_check"] <= 1.0
 

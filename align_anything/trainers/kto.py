@@ -25,10 +25,15 @@ reference point z₀, an estimate of KL(π ‖ π_ref):
 
 The reference is the model as loaded: precomputed in one no-grad pass over every row and KL
 pair the planned steps use (default), or a frozen model (`kto.reference=model`; with LoRA, the
-policy with adapters disabled). Its two sequences per row share their prompt, so they run as one
-row `prompt + completion + KL completion` (`speed.share_prefix`); the policy's rows run plain
-(its KL pass has no backward, and sharing the row with the trained sequence would make the
-backward pass run over the KL tokens too).
+policy with adapters disabled).
+
+Shared prefixes (`speed.share_prefix`, `collate_rows`): KTO's rows rarely share a prompt, but
+every row of a chat model starts with the same template header (SmolLM2: a ~30-token system
+prompt), so the policy's trained sequences of a micro-batch run as one row `common prefix +
+rest_1 + …`, as SFT's do, and so do its KL sequences (two passes: the KL pass has no backward,
+and one row holding both would run the backward pass over the KL tokens too). The reference
+has no backward: its 2B sequences run as one such row, or, where the common prefix is too short
+to pay, each row's completion and KL completion after their one prompt.
 """
 
 from __future__ import annotations
@@ -40,9 +45,14 @@ from typing import Any, ClassVar
 import torch
 
 from align_anything.backend import distributed as comm
-from align_anything.data import DataReport, collate_unpaired, encode_unpaired
+from align_anything.data import IGNORE_INDEX, DataReport, collate_unpaired, encode_unpaired
 from align_anything.data.formats import unpair
-from align_anything.data.layouts import collate_shared_prompt, mask_dtype, supports_shared_prompt
+from align_anything.data.layouts import (
+    collate_shared_prompt,
+    collate_shared_sft,
+    mask_dtype,
+    supports_shared_prompt,
+)
 from align_anything.errors import ConfigError, UserError
 from align_anything.forward import completion_forward, shared_prefix_logps
 from align_anything.losses import kto_kl_reference, kto_loss
@@ -95,29 +105,65 @@ def balance_note(desirable: int, undesirable: int, *, desirable_weight: float,
     ]
 
 
+# Where a batch keeps its shared-prefix layouts (`data.layouts`): the trained sequences and the
+# KL sequences, each as one row per micro-batch; the reference's 2B sequences.
+OWN, KL, PAIR = "shared_own_", "shared_kl_", "pair_"
+
+
 def _view(batch: dict[str, Any], prefix: str) -> dict[str, Any]:
     """The sub-batch stored under `prefix` (`kl_input_ids` -> `input_ids`, ...)."""
     return {k.removeprefix(prefix): v for k, v in batch.items() if k.startswith(prefix)}
 
 
+def _sequences(rows: list[dict], completion: str) -> list[dict]:
+    """Each row's prompt + `completion` as an SFT-style row (`input_ids`, `labels`)."""
+    return [
+        {"input_ids": [*r["prompt_ids"], *r[completion]],
+         "labels": [IGNORE_INDEX] * len(r["prompt_ids"]) + list(r[completion])}
+        for r in rows
+    ]  # fmt: skip
+
+
 def collate_rows(
-    rows: list[dict], *, pad_id: int, share_prompt: bool, additive_mask_dtype: torch.dtype | None
+    rows: list[dict], *, pad_id: int, share_prefix: bool, additive_mask_dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
-    """A KTO batch: `collate_unpaired`'s sequences (each row's completion, and its KL
-    completion under `kl_*`); the rows' precomputed reference log-probs when they carry them;
-    otherwise, with `share_prompt`, both sequences of each row after one prompt as one row
-    under `pair_*` (`collate_shared_prompt`), for the reference's pass."""
+    """A KTO batch: `collate_unpaired`'s plain rows (each row's completion; its KL completion
+    under `kl_*`), and the rows' precomputed reference log-probs when they carry them.
+
+    With `share_prefix`, also the layouts that compute a shared prefix once (`data.layouts`),
+    where they pay: the trained sequences as one row `common prefix + rest_1 + …` (under
+    `shared_own_*`; the chat template's system prompt and header are common to every row) and
+    the KL sequences likewise (`shared_kl_*`), each where the common prefix saves at least a
+    quarter of the tokens (`collate_shared_sft`'s rule); and, for a reference to run (rows
+    without precomputed log-probs), the 2B reference sequences (`pair_*`: the own completions,
+    then the KL ones) as one such row, or else each row's two after its one prompt."""
     batch = collate_unpaired(rows, pad_id=pad_id)
+    layout = {"pad_id": pad_id, "additive_mask_dtype": additive_mask_dtype}
+    if share_prefix:
+        for prefix, completion in ((OWN, "completion_ids"), (KL, "kl_ids")):
+            one_row = collate_shared_sft(_sequences(rows, completion), **layout)
+            batch.update({prefix + k: v for k, v in (one_row or {}).items()})
     if all(key in rows[0] for key in REF_KEYS):
         for key in REF_KEYS:
             batch[key] = torch.tensor([row[key] for row in rows], dtype=torch.float32)
-    elif share_prompt:
-        shared = collate_shared_prompt(
-            rows, pad_id=pad_id, additive_mask_dtype=additive_mask_dtype,
-            completions=("completion_ids", "kl_ids"),
-        )  # fmt: skip
-        batch.update({f"pair_{key}": value for key, value in shared.items()})
+    elif share_prefix:
+        both = collate_shared_sft(
+            _sequences(rows, "completion_ids") + _sequences(rows, "kl_ids"), **layout
+        ) or collate_shared_prompt(rows, completions=("completion_ids", "kl_ids"), **layout)
+        batch.update({PAIR + k: v for k, v in both.items()})
     return batch
+
+
+def sequence_logps(
+    model: Any, batch: dict[str, Any], *, kl: bool, completion_only: bool
+) -> torch.Tensor:
+    """Summed log-probs of each row's completion (`kl`: of its KL completion) under `model`,
+    from the batch's one-row layout where it has one, else from the plain rows."""
+    shared = _view(batch, KL if kl else OWN)
+    if shared:
+        return shared_prefix_logps(model, shared, completion_only=completion_only)[0]
+    plain = _view(batch, "kl_") if kl else batch
+    return completion_forward(model, plain, completion_only=completion_only)[0]
 
 
 @torch.no_grad()
@@ -125,16 +171,14 @@ def pair_logps(
     model: Any, batch: dict[str, Any], *, completion_only: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs of each row's completion and of its KL completion under `model` (the
-    reference), from the shared-prompt rows where the batch has them, else the two plain ones."""
-    if "pair_input_ids" in batch:
-        logps, _ = shared_prefix_logps(
-            model, _view(batch, "pair_"), completion_only=completion_only
-        )
+    reference), from the batch's shared layout where it has one, else the two plain rows."""
+    shared = _view(batch, PAIR)
+    if shared:
+        logps, _ = shared_prefix_logps(model, shared, completion_only=completion_only)
         half = logps.shape[0] // 2
         return logps[:half], logps[half:]
-    own, _ = completion_forward(model, batch, completion_only=completion_only)
-    kl, _ = completion_forward(model, _view(batch, "kl_"), completion_only=completion_only)
-    return own, kl
+    own = sequence_logps(model, batch, kl=False, completion_only=completion_only)
+    return own, sequence_logps(model, batch, kl=True, completion_only=completion_only)
 
 
 class KTOTrainer(Trainer):
@@ -210,7 +254,7 @@ class KTOTrainer(Trainer):
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         return collate_rows(
-            rows, pad_id=self.tokenizer.pad_token_id, share_prompt=self.share_prompt,
+            rows, pad_id=self.tokenizer.pad_token_id, share_prefix=self.share_prefix,
             additive_mask_dtype=mask_dtype(self.engine.module),
         )  # fmt: skip
 
@@ -221,7 +265,7 @@ class KTOTrainer(Trainer):
 
     def after_engine(self) -> None:
         cfg = self.cfg.kto
-        self.share_prompt = self.cfg.speed.share_prefix and supports_shared_prompt(
+        self.share_prefix = self.cfg.speed.share_prefix and supports_shared_prompt(
             self.engine.module.config
         )
         self.reference_logps: dict[tuple, tuple[float, float]] | None = None
@@ -237,12 +281,17 @@ class KTOTrainer(Trainer):
                 row["ref_logps"], row["ref_kl_logps"] = self.reference_logps[("eval", i)]
             self.reference.release()
             self.reference = None
-        layout = "one row prompt + completion + KL completion" if self.share_prompt else "two rows"
         self.summary_lines += [
             reference.describe(
                 self.reference, lora_enabled=self.cfg.model.lora.enabled,
                 offload=cfg.reference_offload, precomputed_s=seconds,
-            ) + f"; reference passes: {layout}",
+            ),
+            "  rows            "
+            + ("a micro-batch's common prefix once for its trained rows, once for its KL rows "
+               "(where that saves a quarter of the tokens), once for the reference's sequences "
+               "(speed.share_prefix)"
+               if self.share_prefix else "plain rows (speed.share_prefix off, or attention that "
+               "takes no dense mask)"),
             "  kl pairs        the prompt of row k with the completion of row k-1 of each step's "
             "global batch (first with last), no gradient, all-reduced, clamped at 0",
         ]  # fmt: skip
@@ -294,8 +343,8 @@ class KTOTrainer(Trainer):
         for batch, real in batches:
             if "ref_kl_logps" not in batch:
                 batch["ref_logps"], batch["ref_kl_logps"] = self._reference_pass(batch)
-            policy, _ = completion_forward(
-                self.engine, _view(batch, "kl_"), completion_only=self.completion_only_logits
+            policy = sequence_logps(
+                self.engine, batch, kl=True, completion_only=self.completion_only_logits
             )
             if real:
                 total += float((policy - batch["ref_kl_logps"]).double().sum())
@@ -310,7 +359,7 @@ class KTOTrainer(Trainer):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg.kto
         only = self.completion_only_logits
-        logps, _ = completion_forward(self.engine, batch, completion_only=only)
+        logps = sequence_logps(self.engine, batch, kl=False, completion_only=only)
         if "ref_logps" not in batch:  # a reference model, in evaluation (training: before_step)
             batch["ref_logps"], batch["ref_kl_logps"] = self._reference_pass(batch)
         desirable = batch["desirable"]
