@@ -50,6 +50,7 @@ bench: setup
 	$(PIP) install --quiet -e ".[bench]"
 	$(PY) benchmarks/dpo_vs_trl.py
 	$(PY) benchmarks/sft_vs_trl.py
+	$(PY) benchmarks/kto_vs_trl.py
 
 lint: setup
 	$(VENV)/bin/ruff check align_anything tests benchmarks
