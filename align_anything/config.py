@@ -263,7 +263,29 @@ def _names(loss_type: str | list[str]) -> list[str]:
     return [loss_type] if isinstance(loss_type, str) else list(loss_type)
 
 
-class DPOSection(_Section):
+class _AgainstReference(_Section):
+    """What DPO and KTO share: the frozen reference model and the held-out generation check."""
+
+    # model: a frozen reference model beside the policy (ZeRO-3: a partitioned inference engine);
+    # precompute: one no-grad pass over the rows the run will use, then the reference is freed.
+    reference: Literal["model", "precompute"] = Field(
+        description="precompute: one no-grad pass over the rows the run will use (KTO: and its KL pairs), before training, then the reference is freed; model: keep a frozen reference model.",
+    )
+    reference_offload: bool = Field(
+        description="With `reference=model`: keep the reference model in CPU memory."
+    )
+    # Greedy generations on held-out prompts before and after training, checked for the
+    # preferred property where the dataset defines one (built-in datasets do).
+    generation_check_samples: int = Field(
+        ge=0,
+        description="Greedy answers to this many held-out prompts before and after training, checked where the dataset defines a check (built-in data does).",
+    )
+    generation_max_new_tokens: int = Field(
+        ge=1, description="Token limit of each generation-check answer."
+    )
+
+
+class DPOSection(_AgainstReference):
     beta: float = Field(
         gt=0, description="Strength of the pull towards the reference model (the beta of DPO)."
     )
@@ -289,23 +311,6 @@ class DPOSection(_Section):
     rpo_alpha: float = Field(
         ge=0.0,
         description="Weight of an NLL term on the chosen completion (RPO): the same as appending `sft` to loss_type with this weight; listing sft yourself needs rpo_alpha=0. 0: plain DPO.",
-    )
-    # model: a frozen reference model beside the policy (ZeRO-3: a partitioned inference engine);
-    # precompute: one no-grad pass over the data before training, then the reference is freed.
-    reference: Literal["model", "precompute"] = Field(
-        description="precompute: one no-grad pass over the data before training, then the reference is freed; model: keep a frozen reference model.",
-    )
-    reference_offload: bool = Field(
-        description="With `reference=model`: keep the reference model in CPU memory."
-    )
-    # Greedy generations on held-out prompts before and after training, checked for the
-    # preferred property where the dataset defines one (built-in datasets do).
-    generation_check_samples: int = Field(
-        ge=0,
-        description="Greedy answers to this many held-out prompts before and after training, checked where the dataset defines a check (built-in data does).",
-    )
-    generation_max_new_tokens: int = Field(
-        ge=1, description="Token limit of each generation-check answer."
     )
 
     @field_validator("loss_type", mode="before")
@@ -416,7 +421,7 @@ class RMSection(_Section):
     )
 
 
-class KTOSection(_Section):
+class KTOSection(_AgainstReference):
     beta: float = Field(
         gt=0, description="Strength of the pull towards the reference model (the beta of KTO)."
     )
@@ -425,19 +430,6 @@ class KTOSection(_Section):
     )
     undesirable_weight: float = Field(
         gt=0, description="lambda_U: weight of the loss of undesirable (thumbs-down) rows."
-    )
-    reference: Literal["model", "precompute"] = Field(
-        description="precompute: one no-grad pass over the rows and KL pairs the run will use, before training, then the reference is freed; model: keep a frozen reference model.",
-    )
-    reference_offload: bool = Field(
-        description="With `reference=model`: keep the reference model in CPU memory."
-    )
-    generation_check_samples: int = Field(
-        ge=0,
-        description="Greedy answers to this many held-out prompts before and after training, checked where the dataset defines a check (built-in data does).",
-    )
-    generation_max_new_tokens: int = Field(
-        ge=1, description="Token limit of each generation-check answer."
     )
 
 
