@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from common import (
     MODEL,
+    OURS_VARIANTS,
     Setup,
     encoded_in_order,
     main,
@@ -54,17 +55,7 @@ def build_setup(
         learning_rate=learning_rate,
         ours_rows=rows,
         trl_rows=[rows[i] for i in order],
-        ours_variants={
-            "align_anything": [],
-            # Every switchable optimisation off: the plain two-rows-per-pair path.
-            "align_anything plain": [
-                "speed.share_prefix=false",
-                "speed.completion_only_logits=false",
-                "speed.tied_grads_in_place=false",
-            ],
-            # Like TRL's defaults, with activation checkpointing.
-            "align_anything GC": ["speed.gradient_checkpointing=true"],
-        },
+        ours_variants=OURS_VARIANTS,
         tokens=sum(sum(pair) for pair in lengths),
         token_lengths=lengths,
         extra_spec={"beta": 0.1},
