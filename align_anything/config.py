@@ -22,6 +22,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from align_anything.errors import ConfigError, did_you_mean
@@ -221,6 +222,14 @@ class LoggingConfig(_Section):
     )
     project: str = Field(description="wandb project name.")
     run_name: str | None = Field(description="wandb run name (null: wandb picks one).")
+    completions_every: int = Field(
+        ge=0,
+        description="Online RL (grpo, rloo): every N steps a table of prompts, completions and rewards (rich on the console, a wandb Table with wandb); 0: never. TRL's log_completions.",
+    )
+    completions_shown: int = Field(
+        ge=1,
+        description="Rows of that table (the step's first completions). TRL's num_completions_to_print.",
+    )
 
 
 class CheckpointConfig(_Section):
@@ -433,10 +442,102 @@ class KTOSection(_AgainstReference):
     )
 
 
+class RewardSection(_Section):
+    """Online RL: what scores a completion. Functions and a reward model add up, weighted."""
+
+    functions: list[str] = Field(
+        description="Reward functions as `module:function` (`align_anything.rewards:arith_exact`); each gets (prompts, completions, **row fields) and returns one float or None (no opinion) per completion.",
+    )
+    weights: list[float] | None = Field(
+        description="One weight per reward (the functions in order, then the reward model); null: all 1.0. TRL's reward_weights.",
+    )
+    model: str | None = Field(
+        description="A reward model trained by task=rm (e.g. `outputs/rm/final`), run frozen (ZeRO-3: partitioned); it re-tokenises prompt + completion with its own tokenizer and chat template. null: none.",
+    )
+
+    @field_validator("functions", mode="before")
+    @classmethod
+    def _one_or_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_weight_each(self) -> RewardSection:
+        count = len(self.functions) + (self.model is not None)
+        if count == 0:
+            raise ValueError(
+                "reward: no reward: list reward.functions (e.g. [align_anything.rewards:arith_exact]) "
+                "or set reward.model to a reward model folder"
+            )
+        if self.weights is not None and len(self.weights) != count:
+            raise ValueError(
+                f"reward.weights has {len(self.weights)} entries but there are {count} rewards "
+                f"({len(self.functions)} function(s){' and a reward model' if self.model else ''}): "
+                "give one weight per reward, functions first, or null for all 1.0"
+            )
+        return self
+
+    def weight_list(self) -> list[float]:
+        """One weight per reward: the functions, then the reward model when there is one."""
+        count = len(self.functions) + (self.model is not None)
+        return [1.0] * count if self.weights is None else list(self.weights)
+
+
+class _OnlineRL(_Section):
+    """What GRPO and RLOO share: generation and the clipped ratio (TRL's names)."""
+
+    num_generations: int = Field(
+        ge=2,
+        description="G: completions sampled per prompt (a group). The global batch counts completions, so it holds global_batch / G prompts; each rank's micro x grad_accum must be a multiple of G (a group stays on one rank). TRL's num_generations.",
+    )
+    temperature: float = Field(gt=0.0, description="Sampling temperature.")
+    top_p: float = Field(gt=0.0, le=1.0, description="Nucleus sampling: the smallest token set with this probability mass.")
+    max_completion_length: int = Field(
+        ge=1,
+        description="Token limit of a completion (generation stops there or at EOS); TRL's max_completion_length (the issue's max_new_tokens).",
+    )
+    mask_truncated_completions: bool = Field(
+        description="Leave completions that hit max_completion_length without EOS out of the loss (they are still counted and logged).",
+    )
+    num_iterations: int = Field(
+        ge=1,
+        description="mu: optimizer steps per generation batch; > 1 reuses it, with the log-probs at generation time as the old policy's.",
+    )
+    beta: float = Field(ge=0.0, description="KL coefficient; 0 loads no reference model.")
+    epsilon: float = Field(ge=0.0, lt=1.0, description="Lower clip of the probability ratio: 1 - epsilon.")
+    epsilon_high: float | None = Field(
+        ge=0.0, description="Upper clip: 1 + epsilon_high (DAPO recommends 0.28); null: = epsilon."
+    )
+    eval_samples: int = Field(
+        ge=0,
+        description="Held-out prompts answered greedily before and after training: mean reward (eval/reward) and, for built-in data, the generation check. 0: none.",
+    )
+    generation_batch_size: int = Field(
+        ge=1, description="Sequences generated at once (a generation round runs in chunks of this)."
+    )
+
+    def clip_range(self) -> tuple[float, float]:
+        return self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+class GRPOSection(_OnlineRL):
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
+        description="grpo: token mean per completion, then mean over completions; dr_grpo: token sum / max_completion_length, mean over completions; dapo: token mean over the whole global batch (TRL's default).",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        description="Advantage = reward - group mean, divided by the group's std (group), the whole batch's (batch) or nothing (none; Dr. GRPO).",
+    )
+
+
+class RLOOSection(_OnlineRL):
+    normalize_advantages: bool = Field(
+        description="Standardise the leave-one-out advantages over the global batch (TRL's normalize_advantages)."
+    )
+
+
 class RunConfig(_Section):
     """The validated configuration of one run. Built only by `load_config`."""
 
-    task: str = Field(description="The trainer: sft, dpo, rm or kto (a file in configs/task/).")
+    task: str = Field(description="The trainer: sft, dpo, rm, kto, grpo or rloo (a file in configs/task/).")
     deepspeed: dict[str, Any] = Field(
         description="A shipped preset name (`python -m align_anything presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."
     )
@@ -463,6 +564,10 @@ class RunConfig(_Section):
     dpo: DPOSection | None = None
     rm: RMSection | None = None
     kto: KTOSection | None = None
+    grpo: GRPOSection | None = None
+    rloo: RLOOSection | None = None
+    # Online RL only (set in task/grpo.yaml and task/rloo.yaml).
+    reward: RewardSection | None = None
 
     @field_validator("resume", mode="before")
     @classmethod
@@ -486,7 +591,10 @@ class RunConfig(_Section):
 # Task name -> the schema of its own config section.
 TASK_SECTIONS: dict[str, type[BaseModel]] = {
     "sft": SFTSection, "dpo": DPOSection, "rm": RMSection, "kto": KTOSection,
+    "grpo": GRPOSection, "rloo": RLOOSection,
 }  # fmt: skip
+# Tasks that generate online and so take the `reward` section.
+ONLINE_TASKS = ("grpo", "rloo")
 
 
 def available_tasks() -> list[str]:
@@ -653,6 +761,8 @@ def _known_keys(section: str) -> list[str]:
 def _section_model(annotation: Any, name: str) -> type[BaseModel] | None:
     if name in TASK_SECTIONS:
         return TASK_SECTIONS[name]
+    if name == "reward":
+        return RewardSection
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     return None
@@ -711,6 +821,13 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
                     f"{name}.* keys or choose task={name}"
                 )
             raw.pop(name)
+    if task not in ONLINE_TASKS and raw.get("reward") is not None:
+        if task_known:
+            problems.append(
+                f"reward.*: the reward section is for online RL (task={' or task='.join(ONLINE_TASKS)}); "
+                f"task is '{task}': remove the reward.* keys"
+            )
+        raw.pop("reward")
     preset_spec = str(raw.get("deepspeed", "z0"))
     try:
         # auto: the trainer picks a preset once it knows the model and world size (plan.py);

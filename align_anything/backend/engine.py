@@ -241,6 +241,35 @@ class Engine:
             group["initial_lr"], group["lr"] = peak, peak * factor
         scheduler._last_lr = [peak * factor for peak in self._peak_lrs]
 
+    @contextlib.contextmanager
+    def gathered_for_generation(self) -> Iterator[torch.nn.Module]:
+        """The plain module, for `generate`. Under ZeRO-3 every parameter is gathered ONCE for
+        the whole round (one all-gather per parameter, the full weights held on every rank while
+        the context is open) and DeepSpeed's per-module fetch/release hooks are taken off, so
+        the token loop runs locally: no collective per token, and a rank whose sequences finish
+        early does not keep the others waiting (no `synced_gpus`). The hooks are put back, and
+        the parameter coordinator's recorded trace invalidated, on the way out (TRL's
+        `unwrap_model_for_generation` does the same). Collective under ZeRO-3: every rank
+        enters and leaves together; other stages hold whole parameters already."""
+        module = self.engine.module
+        if self.zero_stage != 3:
+            yield module
+            return
+        offload = self.engine.optimizer.parameter_offload
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            for param in module.parameters():
+                param.ds_active_sub_modules.clear()
+            for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield module
+            finally:
+                coordinator = getattr(offload, "param_coordinator", None)
+                if coordinator is not None and not coordinator.is_invalid_trace():
+                    coordinator._invalidate_trace()
+                offload._register_deepspeed_module(offload.module)
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Gather full weights (rank 0 gets them, other ranks None). Every rank must call."""
         if self.zero_stage == 3:
