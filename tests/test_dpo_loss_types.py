@@ -18,11 +18,11 @@ import torch
 from conftest import DPO_ARGS, RunResult, launch
 
 from align_anything import config as config_module
-from align_anything import losses as losses_module
 from align_anything.backend.ds_config import BatchPlan
 from align_anything.config import load_config
 from align_anything.errors import ConfigError
 from align_anything.losses import dpo_loss
+from align_anything.losses import preference as losses_module
 from align_anything.trainers.batching import rank_step_rows
 
 LN2 = math.log(2.0)
