@@ -241,3 +241,36 @@ def sequence_scores(model: Any, batch: Mapping[str, Any]) -> Tensor:
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **media_inputs(batch)
     )
     return output.logits.squeeze(-1).float()[: batch.get("real_rows", output.logits.shape[0])]
+
+
+def completion_token_logps(
+    model: Any, batch: dict[str, torch.Tensor], *, completion_only: bool
+) -> torch.Tensor:
+    """Per-token log-probs of each sequence's completion, left-aligned: [B, C] where C is the
+    longest completion of the batch and entry (b, j) is log p of completion token j of row b (0
+    past its end). Online RL's ratio, KL and loss are per token. The batch is a plain one
+    (`labels` = the completion ids after the prompt, IGNORE_INDEX elsewhere) whose completions
+    are contiguous; a multimodal batch's dummy row (see `MediaSupport.attach`) is cut off."""
+    labels = batch["labels"]
+    real = batch.get("real_rows", labels.shape[0])
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        **media_inputs(batch),
+    }
+    # Position t is kept when it predicts a scored token t+1 (row-major: each row's completion
+    # tokens in order, so they land left-aligned in the [B, C] result below).
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    if completion_only:
+        logits = model(**inputs, logits_to_keep=keep).logits
+        flat = selected_token_logps(logits, labels[:, 1:][keep[:, :-1]])
+    else:
+        logits = model(**inputs).logits
+        flat = token_logps(logits, labels)[keep[:, :-1]]
+    lengths = keep.sum(dim=1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    slots = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+    out = torch.zeros(labels.shape[0], width, dtype=flat.dtype, device=flat.device)
+    out = out.masked_scatter(slots, flat)
+    return out[:real]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from align_anything.trainers.base import Trainer
 from align_anything.trainers.dpo import DPOTrainer
+from align_anything.trainers.grpo import GRPOTrainer
 from align_anything.trainers.kto import KTOTrainer
+from align_anything.trainers.rloo import RLOOTrainer
 from align_anything.trainers.rm import RMTrainer
 from align_anything.trainers.sft import SFTTrainer
 
@@ -13,4 +15,6 @@ REGISTRY: dict[str, type[Trainer]] = {
     "dpo": DPOTrainer,
     "rm": RMTrainer,
     "kto": KTOTrainer,
+    "grpo": GRPOTrainer,
+    "rloo": RLOOTrainer,
 }

@@ -233,3 +233,29 @@ def quiet_library_progress_bars() -> None:
 
     datasets.disable_progress_bars()
     hf_logging.disable_progress_bar()
+
+
+def completions_table(
+    rows: list[dict[str, Any]], *, step: int, logger: MetricsLogger | None, console: bool
+) -> None:
+    """Online RL's sample of a step's prompts, completions, rewards and advantages: a rich
+    table on the console, a wandb Table when wandb is on (rank 0)."""
+    if not rows:
+        return
+    columns = list(rows[0])
+    if console:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"step {step}: completions", show_lines=True)
+        for name in columns:
+            table.add_column(name, overflow="fold")
+        for row in rows:
+            table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
+        Console(soft_wrap=False).print(table)
+    run = getattr(logger, "_wandb", None)
+    if run is not None:
+        import wandb
+
+        data = [[row[c] for c in columns] for row in rows]
+        run.log({"completions": wandb.Table(columns=columns, data=data)}, step=step)

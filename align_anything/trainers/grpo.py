@@ -1,0 +1,57 @@
+"""Group relative policy optimisation (GRPO, Shao et al. 2024), with DAPO's decoupled clip and
+token-level aggregation and Dr. GRPO's constant normaliser (`grpo.loss_type`), as TRL 1.16's
+`GRPOTrainer` (token-level importance sampling).
+
+The step (generation, rewards, no-grad passes) is `online.OnlineTrainer`'s; this file adds the
+group-relative advantages (`losses.group_advantages`, `grpo.scale_rewards`) and the per-token
+clipped loss with the k3 KL term (`losses.grpo_per_token_loss`), aggregated with
+`losses.loss_sum` over `losses.loss_items` items: completions for grpo / dr_grpo, completion
+tokens for dapo, counted over the whole global batch, so the split over ranks and micro-batches
+does not change the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from align_anything.losses import group_advantages, grpo_per_token_loss, loss_items, loss_sum
+from align_anything.trainers.online import OnlineTrainer
+
+
+class GRPOTrainer(OnlineTrainer):
+    task: ClassVar[str] = "grpo"
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        return group_advantages(rewards, self.rl.num_generations, self.rl.scale_rewards)
+
+    def count_items(self, batch: dict[str, Any]) -> int:
+        return loss_items(batch["loss_mask"], loss_type=self.rl.loss_type)
+
+    def compute_loss(
+        self, batch: dict[str, Any], *, normalizer: float, training: bool
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        rl = self.rl
+        logps = self._token_logps(self.engine, batch)
+        old = batch.get("old_logps")
+        low, high = rl.clip_range()
+        per_token, stats = grpo_per_token_loss(
+            logps, logps.detach() if old is None else old, batch["advantages"],
+            epsilon_low=low, epsilon_high=high, ref_logps=batch.get("ref_logps"), beta=rl.beta,
+        )  # fmt: skip
+        mask = batch["loss_mask"]
+        total = loss_sum(
+            per_token, mask, loss_type=rl.loss_type, max_completion_length=rl.max_completion_length
+        )
+        # Token means (kl, clip ratios) leave as sums over tokens; finalize_metrics divides.
+        metrics = {
+            "loss": total.detach(),
+            "count/tokens": mask.sum().double(),
+            "tokens/clip_ratio/low_mean": (stats.is_low_clipped * mask).sum(),
+            "tokens/clip_ratio/high_mean": (stats.is_high_clipped * mask).sum(),
+            "tokens/clip_ratio/region_mean": (stats.is_region_clipped * mask).sum(),
+        }
+        if stats.kl is not None:
+            metrics["tokens/kl"] = (stats.kl.detach() * mask).sum()
+        return total / normalizer, metrics

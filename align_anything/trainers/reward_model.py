@@ -1,0 +1,95 @@
+"""A reward model trained by `task=rm` as an online-RL reward: frozen, without gradients or
+optimizer state, partitioned under ZeRO-3 like the DPO reference (`InferenceEngine`).
+
+It scores text, re-tokenised with its own tokenizer and chat template: the prompt's messages
+plus the decoded completion as the assistant turn, rendered as `task=rm` encoded its pairs (the
+full conversation through the template, so the end-of-turn tokens are those it was trained on),
+and read at the last real token as `forward.sequence_scores` reads it. When its tokenizer is the
+policy's, this gives the ids the reward model saw in training for that text; when it differs (a
+reward model of another family) it is the only correct way. The policy's own ids would miss the
+template's closing tokens after EOS either way, which is why the text is always re-rendered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from align_anything.backend import ds_config as dsc
+from align_anything.backend.engine import InferenceEngine
+from align_anything.backend.zero_init import model_init_context
+from align_anything.data.encode import _template_ids
+from align_anything.errors import ConfigError
+from align_anything.forward import sequence_scores
+from align_anything.models import loading as model_loading
+from align_anything.models import zoo
+
+if TYPE_CHECKING:
+    from align_anything.trainers.base import Trainer
+
+# Sequences scored per forward pass.
+CHUNK = 32
+
+
+class RewardModel:
+    def __init__(self, trainer: Trainer, path: str) -> None:
+        self.path = zoo.resolve_model_path(path)
+        config = model_loading.load_config(self.path)
+        architectures = getattr(config, "architectures", None) or []
+        if not any("SequenceClassification" in a or "Reward" in a for a in architectures):
+            raise ConfigError(
+                f"reward.model={path!r} is not a reward model (its config names "
+                f"{', '.join(architectures) or 'no architecture'}): train one with task=rm and "
+                "give its final/ folder, e.g. reward.model=outputs/rm/final"
+            )
+        self.tokenizer = model_loading.load_tokenizer(self.path)
+        self.same_tokenizer = self.tokenizer.get_vocab() == trainer.tokenizer.get_vocab()
+        with model_init_context(trainer.ds_config):
+            model = model_loading.load_model(
+                self.path, reward=True, dtype=dsc.torch_dtype(trainer.precision)
+            )
+        self.engine = InferenceEngine(model, trainer.deepspeed.reference_config(offload=False))
+        self.device = trainer.engine.device
+        self._min_calls = 0
+
+    def describe(self) -> str:
+        where = "partitioned ZeRO-3 inference engine" if self.engine.stage == 3 else "frozen copy"
+        vocab = "the policy's tokenizer" if self.same_tokenizer else "its own tokenizer"
+        return (
+            f"  reward model    {self.path}: {where}, prompt + completion re-rendered with "
+            f"{vocab} and chat template"
+        )
+
+    def pad_calls_to(self, sequences: int) -> None:
+        """The next `score` runs as many forward passes as `sequences` would need, even with
+        fewer (under ZeRO-3 a forward is collective: every rank must run the same number)."""
+        self._min_calls = -(-sequences // CHUNK)
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[dict]], completions: list[str]) -> list[float]:
+        """The reward model's score of each (prompt messages, completion text)."""
+        sequences = [
+            _template_ids(self.tokenizer, [*p, {"role": "assistant", "content": c}])
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+        calls = max(-(-len(sequences) // CHUNK), self._min_calls)
+        self._min_calls = 0
+        scores: list[float] = []
+        pad = self.tokenizer.pad_token_id
+        for call in range(calls):
+            part = sequences[call * CHUNK : (call + 1) * CHUNK]
+            real = bool(part)
+            part = part or [[pad if pad is not None else 0]]
+            width = max(map(len, part))
+            ids = torch.full((len(part), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(part), width), dtype=torch.long)
+            for b, seq in enumerate(part):
+                ids[b, : len(seq)] = torch.tensor(seq)
+                mask[b, : len(seq)] = 1
+            out = sequence_scores(
+                self.engine, {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+            )
+            if real:
+                scores += out.tolist()
+        return scores

@@ -1,0 +1,189 @@
+"""Generation for online RL: the backend interface, and the one backend that runs here (HF
+`generate` on the policy).
+
+`GenerationBackend.generate(prompts, n, sampling, seeds)` returns n completions per prompt
+(prompt i's completions are rows i·n … i·n+n−1). A completion is its token ids up to and
+including the first stop token (EOS), and a flag saying it hit `max_new_tokens` without one.
+
+Sampling is reproducible per completion, not per batch: completion j of a prompt whose seed is
+s draws its noise from its own generator, seeded by (s, j), and picks the token with the
+Gumbel-max trick (argmax of the temperature- and top-p-processed logits plus Gumbel noise, an
+exact sample of softmax(logits / T) restricted to the nucleus). So a completion does not depend
+on which other prompts share its generate call, its rank, the world size or the chunking — a
+resumed run, or the same step on 2 ranks instead of 1, generates the same completions from the
+same weights (up to the float noise of other padding). torch's `multinomial` on one global
+generator would tie every row's sample to the batch it was drawn in. The cost is one small draw
+per row per token from its generator (a vocabulary of uniforms), beside a forward pass of the
+whole batch.
+
+A vLLM backend (not here: no GPU) would implement the same `generate`, colocated as in TRL's
+`vllm_mode="colocate"`: one vLLM engine per rank in the training process (a share of device
+memory, `gpu_memory_utilization`), the policy's weights loaded into it after every optimizer
+step (ZeRO-3: gathered layer by layer and passed to `load_weights`), prompts of the rank only,
+its own seeded sampling (`SamplingParams(seed=...)` per request, which also makes completions
+independent of the batch), and put to sleep during the backward pass to free its KV cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from align_anything.data.encode import IGNORE_INDEX
+from align_anything.data.multimodal import has_media, media_inputs
+
+# Seeds of completion generators: (prompt seed, completion index) -> one 63-bit integer.
+_SEED_MIX = 1_000_003
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn. `greedy`: the most likely token (evaluation)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+
+
+@dataclass
+class Completions:
+    """n completions per prompt, in prompt order: token ids (stop token included), whether
+    each hit max_new_tokens without a stop token, and the generation's timing."""
+
+    ids: list[list[int]]
+    truncated: list[bool]
+    seconds: float
+    generated_tokens: int
+
+
+class GenerationBackend(Protocol):
+    def generate(
+        self, prompts: Sequence[dict], n: int, sampling: Sampling, seeds: Sequence[int]
+    ) -> Completions:
+        """n completions of each prompt row (`prompt_ids`, media references for image
+        prompts); `seeds`: one per prompt (ignored when greedy). Collective under ZeRO-3:
+        every rank calls it once per round, also with no prompts."""
+        ...
+
+
+def completion_seed(prompt_seed: int, index: int) -> int:
+    return (prompt_seed * _SEED_MIX + index) % (2**63 - 1)
+
+
+class GumbelSampler:
+    """A logits processor that turns greedy decoding into sampling, one generator per row:
+    temperature, then the top-p nucleus, then Gumbel noise from the row's own generator. With
+    `do_sample=False`, `generate` takes the argmax of what this returns: an exact sample."""
+
+    def __init__(self, seeds: Sequence[int], *, temperature: float, top_p: float) -> None:
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        if self.top_p < 1.0:
+            from transformers.generation.logits_process import TopPLogitsWarper
+
+            scores = TopPLogitsWarper(self.top_p)(input_ids, scores)
+        vocab = scores.shape[-1]
+        uniform = torch.stack([torch.rand(vocab, generator=g) for g in self.generators])
+        uniform = uniform.clamp_(torch.finfo(torch.float32).tiny, 1.0 - 1e-7).to(scores.device)
+        return scores - torch.log(-torch.log(uniform))
+
+
+def _stop_ids(module: Any, tokenizer: Any) -> list[int]:
+    ids = module.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    return ids
+
+
+def cut_at_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
+    """The completion up to and including its first stop token, and whether it had none
+    (truncated at max_new_tokens)."""
+    for index, token in enumerate(tokens):
+        if token in stop:
+            return tokens[: index + 1], False
+    return tokens, True
+
+
+class HFGenerate:
+    """`generate` on the policy itself (`Engine.gathered_for_generation`: under ZeRO-3 the
+    parameters are gathered once per round), in chunks of `chunk` sequences, prompts
+    left-padded."""
+
+    def __init__(self, engine: Any, tokenizer: Any, *, media: Any, chunk: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.media = media
+        self.chunk = chunk
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: Sequence[dict], n: int, sampling: Sampling, seeds: Sequence[int]
+    ) -> Completions:
+        start = time.perf_counter()
+        rows = [(p, completion_seed(seeds[i], j)) for i, p in enumerate(prompts) for j in range(n)]
+        ids: list[list[int]] = []
+        truncated: list[bool] = []
+        with self.engine.gathered_for_generation() as module:
+            was_training = module.training
+            module.eval()
+            stop = _stop_ids(module, self.tokenizer)
+            try:
+                for begin in range(0, len(rows), self.chunk):
+                    part = rows[begin : begin + self.chunk]
+                    out = self._generate(module, [r for r, _ in part], [s for _, s in part],
+                                         sampling, stop)  # fmt: skip
+                    for tokens in out:
+                        kept, cut = cut_at_stop(tokens, set(stop))
+                        ids.append(kept)
+                        truncated.append(cut)
+            finally:
+                module.train(was_training)
+        return Completions(ids, truncated, time.perf_counter() - start, sum(map(len, ids)))
+
+    def _generate(
+        self, module: Any, rows: list[dict], seeds: list[int], sampling: Sampling,
+        stop: list[int],
+    ) -> list[list[int]]:  # fmt: skip
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        pad = self.tokenizer.pad_token_id
+        width = max(len(r["prompt_ids"]) for r in rows)
+        device = self.engine.device
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            prompt = row["prompt_ids"]
+            input_ids[b, width - len(prompt) :] = torch.tensor(prompt)
+            attention[b, width - len(prompt) :] = 1
+        batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention}
+        if self.media is not None and has_media(rows):
+            batch["labels"] = torch.full_like(input_ids, IGNORE_INDEX)
+            batch = self.media.attach(batch, rows, copies=1)
+            batch.pop("labels")
+            batch.pop("real_rows", None)
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens, do_sample=False, pad_token_id=pad,
+            eos_token_id=stop, bos_token_id=self.tokenizer.bos_token_id,
+        )  # fmt: skip
+        processors = LogitsProcessorList()
+        if not sampling.greedy:
+            processors.append(
+                GumbelSampler(seeds, temperature=sampling.temperature, top_p=sampling.top_p)
+            )
+        output = module.generate(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+            **media_inputs(batch), generation_config=config, logits_processor=processors,
+        )  # fmt: skip
+        new = output[: len(rows), width:].tolist()
+        return new
