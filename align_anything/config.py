@@ -490,7 +490,11 @@ class _OnlineRL(_Section):
         description="G: completions sampled per prompt (a group). The global batch counts completions, so it holds global_batch / G prompts; each rank's micro x grad_accum must be a multiple of G (a group stays on one rank). TRL's num_generations.",
     )
     temperature: float = Field(gt=0.0, description="Sampling temperature.")
-    top_p: float = Field(gt=0.0, le=1.0, description="Nucleus sampling: the smallest token set with this probability mass.")
+    top_p: float = Field(
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling: the smallest token set with this probability mass.",
+    )
     max_completion_length: int = Field(
         ge=1,
         description="Token limit of a completion (generation stops there or at EOS); TRL's max_completion_length (the issue's max_new_tokens).",
@@ -503,7 +507,9 @@ class _OnlineRL(_Section):
         description="mu: optimizer steps per generation batch; > 1 reuses it, with the log-probs at generation time as the old policy's.",
     )
     beta: float = Field(ge=0.0, description="KL coefficient; 0 loads no reference model.")
-    epsilon: float = Field(ge=0.0, lt=1.0, description="Lower clip of the probability ratio: 1 - epsilon.")
+    epsilon: float = Field(
+        ge=0.0, lt=1.0, description="Lower clip of the probability ratio: 1 - epsilon."
+    )
     epsilon_high: float | None = Field(
         ge=0.0, description="Upper clip: 1 + epsilon_high (DAPO recommends 0.28); null: = epsilon."
     )
@@ -537,7 +543,9 @@ class RLOOSection(_OnlineRL):
 class RunConfig(_Section):
     """The validated configuration of one run. Built only by `load_config`."""
 
-    task: str = Field(description="The trainer: sft, dpo, rm, kto, grpo or rloo (a file in configs/task/).")
+    task: str = Field(
+        description="The trainer: sft, dpo, rm, kto, grpo or rloo (a file in configs/task/)."
+    )
     deepspeed: dict[str, Any] = Field(
         description="A shipped preset name (`python -m align_anything presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."
     )

@@ -83,7 +83,7 @@ class Round:
 class OnlineTrainer(Trainer):
     """The shared online-RL step; subclasses give the advantages and the loss."""
 
-    record_kind: ClassVar[str] = "prompt"
+    record_kind: ClassVar[str] = "preference"  # TEMPORARY: "prompt" with data.prompts
     # Whether the old policy's log-probs are needed at generation time beyond μ > 1.
     needs_old_logps_for_reward: ClassVar[bool] = False
 
@@ -93,13 +93,34 @@ class OnlineTrainer(Trainer):
 
     # ------------------------------------------------------------------ data
 
-    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
-        from align_anything.data.prompts import encode_prompts
+    def _load_tokenizer(self) -> None:
+        super()._load_tokenizer()
+        # Before any weights: a misspelt reward function fails in seconds.
+        self.reward_functions = reward_fns.load_reward_functions(self.cfg.reward.functions)
 
-        return encode_prompts(
-            records, self.tokenizer, max_length=self.cfg.data.max_length,
-            max_completion_length=self.rl.max_completion_length,
-        )  # fmt: skip
+    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
+        # TEMPORARY until data.prompts lands (issue16-parts, part C).
+        from align_anything.data.encode import _template_ids
+        from align_anything.data.formats import SOURCE_ROW, RowRejected, row_label
+
+        limit = self.cfg.data.max_length - self.rl.max_completion_length
+        found = DataReport(source=f"prompts(max_length={self.cfg.data.max_length})",
+                           total=len(records))  # fmt: skip
+        rows = []
+        for index, record in enumerate(records):
+            try:
+                ids = _template_ids(self.tokenizer, record["prompt"], add_generation_prompt=True)
+            except RowRejected as reason:
+                found.drop(str(reason), row_label(record, index))
+                continue
+            if len(ids) > limit:
+                found.drop("prompt + max_completion_length longer than data.max_length",
+                           row_label(record, index))  # fmt: skip
+                continue
+            skip = ("chosen", "rejected", SOURCE_ROW)
+            rows.append({**{k: v for k, v in record.items() if k not in skip}, "prompt_ids": ids})
+        found.kept = len(rows)
+        return rows, found
 
     def _plan_steps(self) -> None:
         """Steps from rounds of prompts; the batch must split into whole groups per rank."""
@@ -136,8 +157,7 @@ class OnlineTrainer(Trainer):
         self.backend = HFGenerate(
             self.engine, self.tokenizer, media=self.media, chunk=rl.generation_batch_size
         )
-        self.reward_functions = reward_fns.load_reward_functions(self.cfg.reward.functions)
-        self.reward_names = list(self.cfg.reward.functions)
+        self.reward_names = [name for name, _ in self.reward_functions]
         self.reward_model: RewardModel | None = None
         if self.cfg.reward.model is not None:
             if self.media is not None:
@@ -153,8 +173,12 @@ class OnlineTrainer(Trainer):
         if rl.beta > 0:
             self.reference = reference.build(self, offload=False)
             self.summary_lines.append(
-                reference.describe(self.reference, lora_enabled=self.cfg.model.lora.enabled,
-                                   offload=False, precomputed_s=None)  # fmt: skip
+                reference.describe(
+                    self.reference,
+                    lora_enabled=self.cfg.model.lora.enabled,
+                    offload=False,
+                    precomputed_s=None,
+                )  # fmt: skip
             )
         else:
             self.summary_lines.append(f"  reference       none ({self.task}.beta=0)")
@@ -311,11 +335,13 @@ class OnlineTrainer(Trainer):
         try:
             prompts = [row["prompt"] for row in rows]
             count = len(self.reward_functions)
-            total, per = reward_fns.score_completions(
-                self.reward_functions, self.reward_weights[:count], prompts=prompts,
-                completions=texts, fields=row_fields(rows), row_ids=row_ids,
-            )  # fmt: skip
-            total, per = list(total), dict(per)
+            total, per = [math.nan] * len(texts), {}
+            if count:
+                scored, by_name = reward_fns.score_completions(
+                    self.reward_functions, self.reward_weights[:count], prompts=prompts,
+                    completions=texts, fields=row_fields(rows), row_ids=row_ids,
+                )  # fmt: skip
+                total, per = scored.tolist(), {k: v.tolist() for k, v in by_name.items()}
             if self.reward_model is not None:
                 scores = self.reward_model.score(prompts, texts)
                 per["reward_model"] = scores
@@ -334,8 +360,11 @@ class OnlineTrainer(Trainer):
                 good = checkpoints.last_complete(self.output_dir / "checkpoints", self.run_id)
             raise UserError(
                 f"reward{where} failed, before that step's optimizer update: {errors[0]}"
-                + (f"\nThe last complete checkpoint, {good}, is intact (resume=auto)." if good
-                   else "\nNo checkpoint was written by this run yet.")  # fmt: skip
+                + (
+                    f"\nThe last complete checkpoint, {good}, is intact (resume=auto)."
+                    if good
+                    else "\nNo checkpoint was written by this run yet."
+                )  # fmt: skip
             )
         return list(total), per
 
@@ -354,8 +383,12 @@ class OnlineTrainer(Trainer):
         )
         lengths = [len(ids) for ids in completions.ids]
         stats = comm.all_gather_objects(
-            (lengths, list(completions.truncated), completions.seconds,
-             {k: list(v) for k, v in per_function.items()})  # fmt: skip
+            (
+                lengths,
+                list(completions.truncated),
+                completions.seconds,
+                {k: list(v) for k, v in per_function.items()},
+            )  # fmt: skip
         )
         all_lengths = [n for s in stats for n in s[0]]
         all_cut = [c for s in stats for c in s[1]]
@@ -363,9 +396,7 @@ class OnlineTrainer(Trainer):
         metrics = {
             "reward": float(torch.nanmean(rewards)),
             "reward_std": float(nanstd(rewards)),
-            "frac_reward_zero_std": float(
-                (group_reward_std(rewards, group) == 0).double().mean()
-            ),
+            "frac_reward_zero_std": float((group_reward_std(rewards, group) == 0).double().mean()),
             "completions/mean_length": sum(all_lengths) / len(all_lengths),
             "completions/max_length": float(max(all_lengths)),
             "completions/min_length": float(min(all_lengths)),
@@ -430,7 +461,9 @@ class OnlineTrainer(Trainer):
             self.reward_model.pad_calls_to(math.ceil(count / world))
         total, per = self._score(rows, texts, row_ids=indices, step=None)
         check = generation.property_check(self.cfg.data.eval_path or self.cfg.data.path)
-        passed = sum(bool(check(row, t)) for row, t in zip(rows, texts, strict=True)) if check else 0
+        passed = (
+            sum(bool(check(row, t)) for row, t in zip(rows, texts, strict=True)) if check else 0
+        )
         names = sorted(per)
         sums = [sum(v for v in total if not math.isnan(v)), float(passed),
                 float(sum(map(len, completions.ids)))]  # fmt: skip

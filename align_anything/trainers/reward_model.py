@@ -12,7 +12,7 @@ template's closing tokens after EOS either way, which is why the text is always 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -88,7 +88,8 @@ class RewardModel:
                 ids[b, : len(seq)] = torch.tensor(seq)
                 mask[b, : len(seq)] = 1
             out = sequence_scores(
-                self.engine, {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+                self.engine,
+                {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)},
             )
             if real:
                 scores += out.tolist()
