@@ -16,7 +16,13 @@ The memory planner estimates, for each shipped preset,
 - the DPO / KTO reference model (frozen weights; partitioned under ZeRO-3; none for a LoRA run,
   whose reference is the base model with adapters off, and none for reference-free losses). A
   precomputed reference still exists while it is computed, after the policy's engine is built,
-  so it counts towards the peak;
+  so it counts towards the peak. Online RL (grpo, rloo): the reference when beta > 0, and the
+  reward model (`reward.model`), both frozen and partitioned under ZeRO-3;
+- online RL's generation: under ZeRO-3 the full weights gathered on every rank for the round
+  (the partition is already counted), the KV cache of `generation_batch_size` sequences of
+  `data.max_length` tokens (2 · layers · hidden per token: an upper bound, grouped-query
+  attention stores less) and their last logits; generation ends before the training forward,
+  so the peak takes the larger of generation and activations;
 - activations of one micro-batch (Korthikanti et al. 2022: 34·s·b·h bytes per layer in 16-bit
   without activation checkpointing, doubled for fp32; with `speed.gradient_checkpointing`, each
   layer's 2·s·b·h input plus one layer's 34·s·b·h) plus the logits;
@@ -38,7 +44,7 @@ import torch
 
 from align_anything.backend import ds_config as dsc
 from align_anything.backend import memory
-from align_anything.config import AUTO_PRESET, RunConfig, load_preset, merge_nested
+from align_anything.config import AUTO_PRESET, ONLINE_TASKS, RunConfig, load_preset, merge_nested
 from align_anything.errors import ConfigError
 from align_anything.losses import needs_reference
 from align_anything.models.loading import text_hidden_size
@@ -62,10 +68,14 @@ class Estimate:
     activations: float
     paper: float  # the ZeRO paper's per-parameter figure × parameters (mixed-precision Adam)
     source: str
+    # Online RL: memory while generating (ZeRO-3's gathered full weights, the KV cache, the
+    # last position's logits); generation ends before the training forward, so the peak is the
+    # larger of the two, not their sum.
+    generation: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.model_states + self.reference + self.activations
+        return self.model_states + self.reference + max(self.activations, self.generation)
 
 
 def run_model_sizes(cfg: RunConfig) -> ModelSizes:
@@ -206,9 +216,19 @@ def estimate_preset(
         device = weights + grads + states
         source = "by hand (fp32)" if precision == "fp32" else "by hand (LoRA)"
     reference = 0.0
+    share = n if stage == 3 else 1
     if _has_reference_model(cfg):
-        offloaded = cfg.section().reference_offload  # type: ignore[union-attr]
-        reference = 0.0 if offloaded else sizes.total * weight_bytes / (n if stage == 3 else 1)
+        offloaded = getattr(cfg.section(), "reference_offload", False)
+        reference = 0.0 if offloaded else sizes.total * weight_bytes / share
+    generation = 0.0
+    if cfg.task in ONLINE_TASKS:
+        if cfg.reward is not None and cfg.reward.model is not None:
+            reference += reward_model_params(cfg.reward.model) * weight_bytes / share
+        if stage == 3:
+            generation += sizes.total * weight_bytes * (1 - 1 / n)
+        batch = cfg.section().generation_batch_size  # type: ignore[union-attr]
+        kv = 2 * sizes.layers * sizes.hidden * cfg.data.max_length * batch * weight_bytes
+        generation += kv + batch * sizes.vocab * 4
     micro = cfg.train.per_device_batch_size
     micro = micro if isinstance(micro, int) else 4
     # Sequences whose activations are kept for backward: a DPO / RM pair is two; a KTO row one
@@ -233,6 +253,7 @@ def estimate_preset(
         activations=float(activations),
         paper=memory.estimate_model_state_memory(sizes.total, stage, n, offload=False) * GIB,
         source=source,
+        generation=float(generation),
     )
 
 
@@ -241,9 +262,16 @@ def _has_reference_model(cfg: RunConfig) -> bool:
     whose reference is the policy with adapters off, nor for DPO's reference-free losses)."""
     if cfg.model.lora.enabled:
         return False
+    if cfg.task in ONLINE_TASKS:
+        return cfg.section().beta > 0  # type: ignore[union-attr]
     if cfg.task == "kto":
         return cfg.kto is not None
     return cfg.dpo is not None and needs_reference(cfg.dpo.loss_terms()[0])
+
+
+def reward_model_params(path: str) -> int:
+    """Parameters of a reward model folder (from its config, on the meta device)."""
+    return model_sizes(path, reward=True, trust_remote_code=False, adapters=None).total
 
 
 def device_budget(cfg: RunConfig, *, gpus_per_node: int) -> tuple[float, str]:
@@ -330,16 +358,21 @@ def format_table(
         f"budget per device: {budget / GIB:.2f} GiB ({source}); fits if total <= "
         f"{limit / GIB:.2f} GiB",
         "",
-        f"{'preset':<11}{'stage':>6}{'states':>10}{'ref':>9}{'activ.':>9}{'total':>9}"
+        f"{'preset':<11}{'stage':>6}{'states':>10}{'ref':>9}{'activ.':>9}{'gen.':>9}{'total':>9}"
         f"{'ZeRO paper':>12}{'host/node':>11}  fits  source",
     ]
     for e in estimates:
         lines.append(
             f"{e.preset:<11}{e.stage:>6}{e.model_states / GIB:>10.2f}{e.reference / GIB:>9.2f}"
-            f"{e.activations / GIB:>9.2f}{e.total / GIB:>9.2f}{e.paper / GIB:>12.2f}"
+            f"{e.activations / GIB:>9.2f}{e.generation / GIB:>9.2f}{e.total / GIB:>9.2f}"
+            f"{e.paper / GIB:>12.2f}"
             f"{e.host / GIB:>11.2f}  {'yes ' if e.total <= limit else 'no  '}  {e.source}"
         )
-    lines.append("(GiB per device; 'ZeRO paper': 16 / 4+12/N / 2+14/N / 16/N bytes per parameter)")
+    lines.append(
+        "(GiB per device; 'ref': frozen models (reference, reward model); 'gen.': online RL's "
+        "generation (ZeRO-3 gathered weights, KV cache), counted as max(activ., gen.); 'ZeRO "
+        "paper': 16 / 4+12/N / 2+14/N / 16/N bytes per parameter)"
+    )
     try:
         _, reason = choose(estimates, budget)
         lines.append(f"deepspeed=auto would choose {reason}")

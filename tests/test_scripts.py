@@ -45,6 +45,11 @@ def script_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Online RL: groups of 2 completions (the micro-batch of 2 holds one prompt), short answers.
+RL_FAST = (
+    "{task}.num_generations=2 {task}.max_completion_length=4 {task}.eval_samples=2 "
+    "{task}.generation_batch_size=2"
+)
 # (script, environment, arguments before the overrides, expected ZeRO stage): together they use
 # the arguments and the environment variables, the default preset (z3) and every launcher.
 CASES = {
@@ -52,6 +57,8 @@ CASES = {
     "dpo.sh": ({"NUM_GPUS": "2"}, ["dpo.generation_check_samples=0"], 3),
     "rm.sh": ({"PRESET": "z0"}, ["--num_gpus=2"], 0),
     "kto.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", "kto.generation_check_samples=0"], 2),
+    "grpo.sh": ({"NUM_GPUS": "2"}, [*RL_FAST.format(task="grpo").split()], 3),
+    "rloo.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", *RL_FAST.format(task="rloo").split()], 2),
     "torchrun.sh": ({"TASK": "sft", "NUM_GPUS": "2", "PRESET": "z0"}, [], 0),
 }
 
@@ -73,7 +80,10 @@ def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
     assert run.zero_stage() == stage
     assert [m["step"] for m in run.train_steps()] == list(range(1, STEPS + 1))
     # Only rank 0 logs: one start-up summary, one progress line per step.
-    assert len(re.findall(r"^align_anything (sft|dpo|rm|kto)$", run.output, re.MULTILINE)) == 1
+    assert (
+        len(re.findall(r"^align_anything (sft|dpo|rm|kto|grpo|rloo)$", run.output, re.MULTILINE))
+        == 1
+    )
     for step in range(1, STEPS + 1):
         assert len(re.findall(rf"^step {step}/{STEPS} ", run.output, re.MULTILINE)) == 1
 

@@ -259,15 +259,23 @@ class Engine:
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             for param in module.parameters():
                 param.ds_active_sub_modules.clear()
-            for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+            # The root's start-of-forward hook too: it checks the recorded trace against the
+            # other ranks (a collective per forward, i.e. per token, and a mismatch where ranks
+            # generate different numbers of tokens).
+            for hook in [offload.fwd_pre_hook, *offload.forward_hooks, *offload.backward_hooks]:
                 hook.remove()
             offload.forward_hooks, offload.backward_hooks = [], []
             try:
                 yield module
             finally:
-                coordinator = getattr(offload, "param_coordinator", None)
-                if coordinator is not None and not coordinator.is_invalid_trace():
+                coordinator = offload.get_param_coordinator()
+                if not coordinator.is_invalid_trace():
                     coordinator._invalidate_trace()
+                # What `setup_zero_stage3_hooks` registers: the step reset first, then the
+                # per-module fetch / release hooks.
+                offload.fwd_pre_hook = offload.module.register_forward_pre_hook(
+                    lambda *_: offload.get_param_coordinator().reset_step(), prepend=True
+                )
                 offload._register_deepspeed_module(offload.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
