@@ -93,10 +93,10 @@ class DataConfig(_Section):
     path: str = Field(
         description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`) or a hub dataset.",
     )
-    format: Literal["auto", "conversation", "prompt_response", "preference", "hh", "unpaired"] = (
-        Field(
-            description="How rows map to records; `auto` recognises conversations, prompt/response, preference pairs, HH-RLHF transcripts and unpaired rows (prompt, completion, label).",
-        )
+    format: Literal[
+        "auto", "conversation", "prompt_response", "preference", "hh", "unpaired", "prompt"
+    ] = Field(
+        description="How rows map to records; `auto` recognises conversations, prompt/response, preference pairs, HH-RLHF transcripts, unpaired rows (prompt, completion, label) and prompts alone (online RL).",
     )
     columns: dict[str, str] = Field(
         description="Canonical name -> column in the file, e.g. `{prompt: question, chosen: good}` (names: messages, prompt, response or completion, chosen, rejected, system, margin, label).",

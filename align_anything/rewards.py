@@ -169,11 +169,10 @@ def _shown(completion: str) -> str:
     return repr(completion)
 
 
-def _where(name: str, row_ids: Sequence[int], completions: Sequence[str], index: int) -> str:
-    return (
-        f"reward function {name!r} on data row {row_ids[index]} "
-        f"(completion {_shown(completions[index])})"
-    )
+def _where(name: str, row_ids: Sequence[int | str], completions: Sequence[str], index: int) -> str:
+    row = row_ids[index]
+    where = row if isinstance(row, str) else f"data row {row}"
+    return f"reward function {name!r} on {where} (completion {_shown(completions[index])})"
 
 
 def _call(
@@ -217,7 +216,7 @@ def _rewards_of(
     prompts: Sequence,
     completions: Sequence[str],
     fields: dict[str, Sequence],
-    row_ids: Sequence[int],
+    row_ids: Sequence[int | str],
 ) -> list[float]:
     """One function's rewards as floats (NaN for None), or a RewardError."""
     try:
@@ -270,7 +269,7 @@ def score_completions(
     prompts: Sequence,
     completions: Sequence[str],
     fields: dict[str, Sequence],
-    row_ids: Sequence[int],
+    row_ids: Sequence[int | str],
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Score N completions with every reward function.
 
@@ -279,7 +278,8 @@ def score_completions(
         weights: one per function (the config's `reward.weights`; all 1.0 when not given).
         prompts, completions: N each, aligned (a prompt repeated for its G completions).
         fields: the prompt data's other columns, each a list of N values.
-        row_ids: N data row numbers (the prompt's row in the user's file), for messages.
+        row_ids: N data rows for messages: the prompt's row label in the user's file
+            (`"line 12"`, the encoded row's `source_row`) or a row number (`data row 12`).
     Returns:
         (total [N] float32: Σ wᵢ·rᵢ over the functions that gave a number, NaN where every
         function returned None; {name: [N] float32 with NaN for None}).

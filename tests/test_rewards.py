@@ -194,3 +194,12 @@ def test_long_completions_are_shortened_in_messages(user_module) -> None:
     long = "z" * 1000
     message = _error_of("my_rewards:nan_for_wrong", [long] * 4)
     assert "(1000 characters)" in message and len(message) < 600
+
+
+def test_row_labels_from_the_data_are_named_as_given() -> None:
+    # Encoded prompt rows carry their file's label ("line 12"); messages use it as it is.
+    with pytest.raises(RewardError, match=r"'arith_exact' on line 12 \(completion 'Answer: 42'\)"):
+        score_completions(
+            load_reward_functions(["align_anything.rewards:arith_exact"]), [1.0],
+            prompts=["q"], completions=["Answer: 42"], fields={}, row_ids=["line 12"],
+        )  # fmt: skip

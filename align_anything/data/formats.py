@@ -10,6 +10,8 @@ Canonical records (what every later stage consumes):
   one completion judged desirable (True) or undesirable (False), the data KTO learns from; the
   file's `label` may be a bool, 1/0 or "good"/"bad" (`unpair` splits preference records into
   such rows).
+- prompt -> ``{"prompt": [messages ending with a user turn]}``: prompt-only data for online RL
+  (`data.prompts` encodes it; conversations ending with a user turn are also accepted there).
 
 Columns a format does not consume (``margin`` for reward models, ids, scores, media) pass through
 unchanged. Every record also remembers where it came from under `SOURCE_ROW` (``"line 12"``), so
@@ -35,7 +37,7 @@ from typing import Any
 from align_anything.data.sources import load_dataset, undecodable_text
 from align_anything.errors import ConfigError, DataError, did_you_mean
 
-FORMATS = ("auto", "conversation", "prompt_response", "preference", "hh", "unpaired")
+FORMATS = ("auto", "conversation", "prompt_response", "preference", "hh", "unpaired", "prompt")
 ROLES = ("system", "user", "assistant")
 
 # Names `columns` may map; "completion" is accepted as another name for "response".
@@ -191,13 +193,15 @@ def _detect_format(names: set[str], first_row: Mapping[str, Any], source: str, f
         return "unpaired"
     if "prompt" in names and "response" in names:
         return "prompt_response"
+    if "prompt" in names:
+        return "prompt"
     listed = ", ".join(f"'{c}'" for c in found)
     raise DataError(
         f"cannot tell the format of {source} from its columns ({listed}). Formats and the "
         "columns they need: conversation: messages; prompt_response: prompt + response "
         "(or completion); preference: prompt + chosen + rejected; hh: chosen + rejected "
         "holding '\\n\\nHuman: ... \\n\\nAssistant: ...' transcripts; unpaired: prompt + "
-        "completion + label. Set data.format=<format> "
+        "completion + label; prompt: prompt alone (online RL). Set data.format=<format> "
         "and map your columns, e.g. data.columns.prompt=<column>"
     )
 
@@ -215,6 +219,8 @@ def _required_columns(fmt: str, names: set[str], first_row: Mapping[str, Any]) -
         return ["chosen", "rejected"]
     if fmt == "unpaired":
         return ["prompt", "response", "label"]
+    if fmt == "prompt":
+        return ["prompt"]
     # preference: a prompt column is optional only when chosen/rejected are message lists.
     if "prompt" not in names and isinstance(first_row.get("chosen"), list):
         return ["chosen", "rejected"]
@@ -387,6 +393,12 @@ def _unpaired_row(row: Mapping[str, Any]) -> dict:
     }
 
 
+def _prompt_row(row: Mapping[str, Any]) -> dict:
+    prompt = as_messages(row["prompt"], "prompt", "user")
+    _ends_with_user(prompt)
+    return {"prompt": _with_system(prompt, row.get("system"))}
+
+
 def parse_hh(transcript: str) -> tuple[list[dict], str]:
     """Split an HH-RLHF transcript at its last "\\n\\nAssistant:" into (prompt messages, completion).
 
@@ -436,6 +448,7 @@ _CONVERTERS = {
     "preference": (_preference_row, {"prompt", "chosen", "rejected", "system"}),
     "hh": (_hh_row, {"chosen", "rejected"}),
     "unpaired": (_unpaired_row, {"prompt", "response", "label", "system"}),
+    "prompt": (_prompt_row, {"prompt", "system"}),
 }
 
 
@@ -568,33 +581,39 @@ def unpair(records: Sequence[Mapping[str, Any]]) -> list[dict]:
 
 
 # What a task of a record kind also accepts (KTO: preference pairs, each split in two rows).
-_ALSO_ACCEPTED = {"unpaired": ("preference",)}
+# Online RL: conversations ending with a user turn (`data.prompts.to_prompt_records`).
+_ALSO_ACCEPTED = {"unpaired": ("preference",), "prompt": ("conversation",)}
 _WANTED = {
     "conversation": "conversation data",
     "preference": "preference data",
     "unpaired": "unpaired data (prompt, completion, label) or preference pairs",
+    "prompt": "prompt data (a prompt column, or conversations ending with a user turn)",
 }
 _FOUND = {
     "conversation": "conversations",
     "preference": "preference pairs",
     "unpaired": "unpaired rows (prompt, completion, label)",
+    "prompt": "prompts only (no completions)",
 }
 
 
 def record_kind(record: Mapping[str, Any]) -> str:
     """Which kind of canonical record `record` is: "preference" (it has `chosen`; such files
-    often carry a `messages` copy too), "unpaired" (`completion` and `label`) or
-    "conversation"."""
+    often carry a `messages` copy too), "unpaired" (`completion` and `label`), "prompt" (a
+    `prompt` alone) or "conversation"."""
     if "chosen" in record:
         return "preference"
     if "completion" in record and "label" in record:
         return "unpaired"
+    if "prompt" in record and "messages" not in record:
+        return "prompt"
     return "conversation"
 
 
 def check_kind(records: Sequence[Mapping[str, Any]], kind: str, *, source: str, task: str) -> None:
     """Fail once, clearly, when a dataset holds another record kind than the task needs
-    ("conversation", "preference", or "unpaired", which also takes preference pairs)."""
+    ("conversation", "preference", "unpaired", which also takes preference pairs, or "prompt",
+    which also takes conversations)."""
     if not records:
         return
     found = record_kind(records[0])
