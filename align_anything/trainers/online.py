@@ -43,6 +43,7 @@ from align_anything import rewards as reward_fns
 from align_anything.backend import distributed as comm
 from align_anything.data import IGNORE_INDEX, DataReport
 from align_anything.data.media import MEDIA_KEYS
+from align_anything.data.prompts import encode_prompts
 from align_anything.errors import ConfigError, UserError
 from align_anything.forward import completion_token_logps
 from align_anything.trainers import generation, reference
@@ -61,11 +62,9 @@ def prompt_seed(seed: int, round_index: int, row: int) -> int:
 
 
 def row_fields(rows: list[dict]) -> dict[str, list[Any]]:
-    """The per-row fields reward functions receive (e.g. `answer`): every column of the prompt
-    rows except the encoded ids, the prompt itself and media references."""
-    skip = {"prompt_ids", "prompt", "media_tokens", *MEDIA_KEYS}
-    keys = [k for k in (rows[0] if rows else {}) if k not in skip]
-    return {k: [row.get(k) for row in rows] for k in keys}
+    """The per-row fields reward functions receive (e.g. `answer`), one list per column."""
+    keys = list(rows[0]["fields"]) if rows else []
+    return {k: [row["fields"].get(k) for row in rows] for k in keys}
 
 
 @dataclass
@@ -83,7 +82,7 @@ class Round:
 class OnlineTrainer(Trainer):
     """The shared online-RL step; subclasses give the advantages and the loss."""
 
-    record_kind: ClassVar[str] = "preference"  # TEMPORARY: "prompt" with data.prompts
+    record_kind: ClassVar[str] = "prompt"
     # Whether the old policy's log-probs are needed at generation time beyond μ > 1.
     needs_old_logps_for_reward: ClassVar[bool] = False
 
@@ -99,28 +98,15 @@ class OnlineTrainer(Trainer):
         self.reward_functions = reward_fns.load_reward_functions(self.cfg.reward.functions)
 
     def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
-        # TEMPORARY until data.prompts lands (issue16-parts, part C).
-        from align_anything.data.encode import _template_ids
-        from align_anything.data.formats import SOURCE_ROW, RowRejected, row_label
-
-        limit = self.cfg.data.max_length - self.rl.max_completion_length
-        found = DataReport(source=f"prompts(max_length={self.cfg.data.max_length})",
-                           total=len(records))  # fmt: skip
-        rows = []
-        for index, record in enumerate(records):
-            try:
-                ids = _template_ids(self.tokenizer, record["prompt"], add_generation_prompt=True)
-            except RowRejected as reason:
-                found.drop(str(reason), row_label(record, index))
-                continue
-            if len(ids) > limit:
-                found.drop("prompt + max_completion_length longer than data.max_length",
-                           row_label(record, index))  # fmt: skip
-                continue
-            skip = ("chosen", "rejected", SOURCE_ROW)
-            rows.append({**{k: v for k, v in record.items() if k not in skip}, "prompt_ids": ids})
-        found.kept = len(rows)
-        return rows, found
+        """Prompt rows (`data.prompts`); a prompt leaves room for `max_completion_length`
+        tokens within `data.max_length` (longer ones dropped, or, with a truncating
+        `data.truncation`, cut at the start)."""
+        data = self.cfg.data
+        return encode_prompts(
+            records, self.tokenizer,
+            max_prompt_length=data.max_length - self.rl.max_completion_length,
+            truncation="drop" if data.truncation == "drop" else "keep_end",
+        )  # fmt: skip
 
     def _plan_steps(self) -> None:
         """Steps from rounds of prompts; the batch must split into whole groups per rank."""
@@ -288,7 +274,7 @@ class OnlineTrainer(Trainer):
         texts = self.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
         total, per_function = self._score(
             [self.train_rows[s["row"]] for s in samples], texts,
-            row_ids=[s["row"] for s in samples], step=step,
+            row_ids=[self.train_rows[s["row"]]["source_row"] for s in samples], step=step,
         )  # fmt: skip
         local = self._reward_for_advantages(total, micro_batches)
         gathered = torch.tensor(
@@ -325,7 +311,7 @@ class OnlineTrainer(Trainer):
     # ------------------------------------------------------------------ rewards
 
     def _score(
-        self, rows: list[dict], texts: list[str], *, row_ids: list[int], step: int | None
+        self, rows: list[dict], texts: list[str], *, row_ids: list[Any], step: int | None
     ) -> tuple[list[float], dict[str, list[float]]]:
         """(weighted total per completion (NaN: no reward had an opinion), each reward's
         values). Every rank learns whether any rank's reward function failed, and all stop."""
@@ -459,10 +445,12 @@ class OnlineTrainer(Trainer):
         if self.reward_model is not None:
             # Reward-model forwards are collective under ZeRO-3: equal calls on every rank.
             self.reward_model.pad_calls_to(math.ceil(count / world))
-        total, per = self._score(rows, texts, row_ids=indices, step=None)
+        total, per = self._score(rows, texts, row_ids=[r["source_row"] for r in rows], step=None)
         check = generation.property_check(self.cfg.data.eval_path or self.cfg.data.path)
         passed = (
-            sum(bool(check(row, t)) for row, t in zip(rows, texts, strict=True)) if check else 0
+            sum(bool(check(row["fields"], t)) for row, t in zip(rows, texts, strict=True))
+            if check
+            else 0
         )
         names = sorted(per)
         sums = [sum(v for v in total if not math.isnan(v)), float(passed),
