@@ -270,8 +270,28 @@ def _has_reference_model(cfg: RunConfig) -> bool:
 
 
 def reward_model_params(path: str) -> int:
-    """Parameters of a reward model folder (from its config, on the meta device)."""
-    return model_sizes(path, reward=True, trust_remote_code=False, adapters=None).total
+    """Parameters of a reward model: counted from its safetensors headers (no model is built:
+    inside a ZeRO-3 run transformers would construct even a meta-device model under
+    `zero.Init`, a collective), else from its config on the meta device."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from align_anything.models.zoo import resolve_model_path
+
+    files = sorted(Path(resolve_model_path(path)).glob("*.safetensors"))
+    if not files:
+        return model_sizes(path, reward=True, trust_remote_code=False, adapters=None).total
+    total = 0
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                shape = handle.get_slice(key).get_shape()
+                count = 1
+                for dim in shape:
+                    count *= dim
+                total += count
+    return total
 
 
 def device_budget(cfg: RunConfig, *, gpus_per_node: int) -> tuple[float, str]:

@@ -181,9 +181,12 @@ class HFGenerate:
             processors.append(
                 GumbelSampler(seeds, temperature=sampling.temperature, top_p=sampling.top_p)
             )
+        # synced_gpus=False: transformers turns it on by itself under ZeRO-3 with several ranks
+        # (an all-reduce per token); the parameters are whole and local here (see above).
         output = module.generate(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
             **media_inputs(batch), generation_config=config, logits_processor=processors,
+            synced_gpus=False,
         )  # fmt: skip
         new = output[: len(rows), width:].tolist()
         return new
