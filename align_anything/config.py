@@ -91,7 +91,7 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     path: str = Field(
-        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`) or a hub dataset.",
+        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`, `arith-prompts`, `arith-prompts-eval`) or a hub dataset.",
     )
     format: Literal[
         "auto", "conversation", "prompt_response", "preference", "hh", "unpaired", "prompt"

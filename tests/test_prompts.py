@@ -195,3 +195,36 @@ def test_prompt_fields_leave_out_the_prompt_source_and_media() -> None:
     record = {"prompt": [], "_source_row": "line 3", "images": ["a.png"], "media_tokens": 4,
               "answer": 1, "level": "easy"}  # fmt: skip
     assert prompt_fields(record) == {"answer": 1, "level": "easy"}
+
+
+# --- built-in prompt sets ----------------------------------------------------------------------
+
+
+def test_builtin_prompt_sets() -> None:
+    from align_anything.data.builtin import PROMPT_HINT, generate
+    from align_anything.rewards import arith_exact
+    from align_anything.trainers.generation import PROPERTY_CHECKS
+
+    generated = generate()
+    questions = {}
+    for name, rows in generated.items():
+        texts = set()
+        for row in rows:
+            text = row["messages"][0]["content"] if "messages" in row else row["prompt"]
+            texts.add(
+                text[-1]["content"].removesuffix(PROMPT_HINT) if isinstance(text, list) else text
+            )
+        questions[name] = texts
+    held_out = questions["arith-prompts-eval"]
+    assert len(held_out) == 64 and len(questions["arith-prompts"]) == 512
+    for name, texts in questions.items():
+        if name != "arith-prompts-eval":
+            assert not held_out & texts, name  # held-out questions are in no other file
+    records, report = load_records("arith-prompts-eval")
+    assert report.format == "prompt" and report.kept == 64
+    first = records[0]
+    assert first["prompt"][-1]["content"].endswith(PROMPT_HINT) and len(first["prompt"]) == 3
+    # The field reward functions read is the right answer; the generation check agrees.
+    assert arith_exact([], [f"Answer: {first['answer']}"], [first["answer"]]) == [1.0]
+    assert PROPERTY_CHECKS["arith-prompts-eval"](first, f"Answer: {first['answer']}")
+    assert {"arith-prompts", "arith-prompts-eval"} <= set(PROPERTY_CHECKS)

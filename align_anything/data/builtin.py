@@ -26,6 +26,12 @@ assistant turn is the preferred answer, for the `task=sft` default) and `arith-k
 `task=kto` default; each pair's chosen answer is a desirable row, its rejected one an
 undesirable row). These sizes are what
 lets the main job learn the format in 12 steps on 2 CPU cores (README, quick start).
+
+For online RL (`task=grpo`, `task=rloo`): `arith-prompts` (512 prompts) and the held-out
+`arith-prompts-eval` (64), prompt-only rows `{"prompt": [messages], "answer", "question"}` whose
+questions are in no other file. The prompt is a worked example exchange then the question, each
+with a format hint (`PROMPT_HINT`, `PROMPT_EXAMPLE`: chosen by measuring the base model, see
+there); `rewards.arith_exact` scores a completion against `answer`.
 """
 
 from __future__ import annotations
@@ -44,12 +50,25 @@ BUILTIN_DATASETS: dict[str, str] = {
     "arith-pref-eval": "arith_pref_eval.jsonl",
     "arith-sft": "arith_sft.jsonl",
     "arith-kto": "arith_kto_train.jsonl",
+    "arith-prompts": "arith_prompts_train.jsonl",
+    "arith-prompts-eval": "arith_prompts_eval.jsonl",
 }
 
 SEED = 20250601
 PREF_TRAIN_ROWS = 96  # 12 steps of 8 pairs: one epoch is the default run
 PREF_EVAL_ROWS = 64
 SFT_ROWS = 256
+PROMPT_TRAIN_ROWS = 512
+PROMPT_EVAL_ROWS = 64
+# The prompt sets' format hint: appended to each question, and shown once, worked, in a first
+# exchange (`PROMPT_EXAMPLE`, a question outside the generator's range, so in no file). Measured
+# on the base smollm2-135m-instruct (64 held-out prompts, greedy, fp32, 32 new tokens; sampled
+# at temperature 1.0, G = 8, 16 prompts): the hint alone in the user turn, in three wordings or
+# as a system prompt, gives 0.00 exact answers greedy and sampled (the model answers chattily);
+# with the worked example, greedy exact 0.34 (format 1.00), sampled exact 0.18, and 75% of
+# groups have a nonzero exact-reward std (100% with 0.5 x arith_format added): something to learn.
+PROMPT_HINT = " Reply with `Answer: <number>` only."
+PROMPT_EXAMPLE = ("What number comes after 1234?", "Answer: 1235")
 
 ANSWER_RE = re.compile(r"Answer: (-?\d+)")
 
@@ -187,7 +206,7 @@ def generate(seed: int = SEED) -> dict[str, list[dict]]:
     train_questions = _unique_questions(rng, PREF_TRAIN_ROWS, seen)
     sft_questions = _unique_questions(rng, SFT_ROWS, seen)
     train_pairs = _preference_rows(rng, train_questions)
-    return {
+    rows = {
         "arith-pref": train_pairs,
         "arith-pref-eval": _preference_rows(rng, eval_questions),
         "arith-sft": [
@@ -202,6 +221,31 @@ def generate(seed: int = SEED) -> dict[str, list[dict]]:
         # Its own generator: the other files stay as they were before this one existed.
         "arith-kto": unpaired_rows(train_pairs, random.Random(seed + 1)),
     }
+    # The prompt sets draw after everything above, from the same generator, so the older files
+    # stay as they were; their questions are in no other file (`seen`), held-out ones first.
+    prompt_eval = _unique_questions(rng, PROMPT_EVAL_ROWS, seen)
+    prompt_train = _unique_questions(rng, PROMPT_TRAIN_ROWS, seen)
+    rows["arith-prompts"] = prompt_rows(prompt_train)
+    rows["arith-prompts-eval"] = prompt_rows(prompt_eval)
+    return rows
+
+
+def prompt_rows(questions: list[tuple], hint: str = PROMPT_HINT) -> list[dict]:
+    """Prompt-only rows for online RL: the worked example (`PROMPT_EXAMPLE`, a user turn and
+    its assistant answer) then the question, each user turn with `hint`; the right `answer` as
+    a field for the reward functions (`rewards.arith_exact`)."""
+    example = [
+        {"role": "user", "content": PROMPT_EXAMPLE[0] + hint},
+        {"role": "assistant", "content": PROMPT_EXAMPLE[1]},
+    ]
+    return [
+        {
+            "prompt": [*example, {"role": "user", "content": prompt + hint}],
+            "answer": answer,
+            "question": key[0],
+        }
+        for key, prompt, answer, _, _ in questions
+    ]
 
 
 def to_jsonl(rows: list[dict]) -> str:

@@ -21,6 +21,8 @@ PROPERTY_CHECKS: dict[str, Callable[[dict, str], bool]] = {
     "arith-pref": has_preferred_property,
     "arith-pref-eval": has_preferred_property,
     "arith-kto": has_preferred_property,
+    "arith-prompts": has_preferred_property,
+    "arith-prompts-eval": has_preferred_property,
 }
 # Prompts generated for at once.
 CHUNK = 16
