@@ -45,8 +45,16 @@ RLOO_ARGS = [
 # transformers 5.24). GRPO's step 1 is the k3 KL (0: policy = reference) plus −A·ρ summed over
 # tokens with advantages of mean 0 per group: ~0. Change them only for an intended change of
 # the model, data, data order, sampling or loss, and say so in the commit.
-GRPO_FROZEN = None
-RLOO_FROZEN = None
+GRPO_FROZEN = [
+    -2.9802322387695312e-08, 0.0002679186873137951, 0.0005295518785715103, 0.0007864572107791901,
+]  # fmt: skip
+RLOO_FROZEN = [0.0, -0.0010120858205482364, 9.313225746154785e-10, -0.002405718434602022]
+# The rewards of each step's sampled completions: after step 1 they come from the updated
+# weights, so they check sampling, the advantages' gradient and the update together.
+GRPO_FROZEN_REWARDS = [-0.05324999988079071, -0.05087499972432852, -0.05525000020861626,
+                       -0.048750000074505806]  # fmt: skip
+RLOO_FROZEN_REWARDS = [-0.05324999988079071, -0.05324999988079071, -0.05024999938905239,
+                       -0.05024999938905239]  # fmt: skip
 FROZEN_RTOL = 1e-4
 # 2 ranks vs 1: fp32 summation order only.
 LOSS_ATOL = 1e-6
@@ -119,10 +127,8 @@ def test_grpo_trains_against_frozen_losses(grpo_runs: dict[str, RunResult]) -> N
         assert {"eval/reward", "eval/rewards/length_penalty", "eval/completion_length",
                 "eval/generation_check"} <= set(line)  # fmt: skip
     assert run.summary_line("reference").startswith("frozen copy")
-    losses = run.losses()
-    print("GRPO losses", losses)
-    if GRPO_FROZEN is not None:
-        assert losses == pytest.approx(GRPO_FROZEN, rel=FROZEN_RTOL, abs=1e-7)
+    assert run.losses() == pytest.approx(GRPO_FROZEN, rel=FROZEN_RTOL, abs=1e-7)
+    assert [m["reward"] for m in steps] == pytest.approx(GRPO_FROZEN_REWARDS, abs=1e-7)
 
 
 def test_grpo_two_ranks_zero3_and_accumulation_equal_one_rank(
@@ -166,10 +172,8 @@ def test_rloo_trains_against_frozen_losses(tmp_path: Path) -> None:
     assert steps[0]["kl"] == 0.0
     assert steps[0]["reward"] == steps[1]["reward"] and steps[2]["reward"] == steps[3]["reward"]
     assert steps[1]["clip_ratio/region_mean"] >= 0.0
-    losses = run.losses()
-    print("RLOO losses", losses)
-    if RLOO_FROZEN is not None:
-        assert losses == pytest.approx(RLOO_FROZEN, rel=FROZEN_RTOL, abs=1e-7)
+    assert run.losses() == pytest.approx(RLOO_FROZEN, rel=FROZEN_RTOL, abs=1e-7)
+    assert [m["reward"] for m in steps] == pytest.approx(RLOO_FROZEN_REWARDS, abs=1e-7)
 
 
 # ---------------------------------------------------------------------------- rewards
