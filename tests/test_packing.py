@@ -52,10 +52,14 @@ def test_best_fit_is_not_first_fit() -> None:
 
 
 def test_best_fit_ties() -> None:
-    # Equal lengths keep index order; of two bins with equal room the one opened first fills.
+    # Equal lengths keep index order; of two bins with equal room, the one that had it first.
     assert best_fit_decreasing([4, 4, 2, 2], 6).as_lists() == [[0, 2], [1, 3]]
     assert best_fit_decreasing([3, 3, 3, 3], 6).as_lists() == [[0, 1], [2, 3]]
     assert best_fit_decreasing([6, 6], 6).as_lists() == [[0], [1]]
+    # Capacity 10, lengths 7 5 4 2 1: bins {7} (3 left), {5} (5 left); the 4 into bin 1 (5 -> 1),
+    # the 2 into bin 0 (3 -> 1). Both have 1 left; bin 1 had it first, so the 1 goes there
+    # (TRL's rule; the lower bin number would be bin 0).
+    assert best_fit_decreasing([7, 5, 4, 2, 1], 10).as_lists() == [[0, 3], [1, 2, 4]]
 
 
 def test_best_fit_covers_every_row_once_within_capacity() -> None:

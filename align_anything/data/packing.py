@@ -25,7 +25,7 @@ last position would predict it. So a packed micro-batch scores exactly the targe
 from __future__ import annotations
 
 import bisect
-import heapq
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -62,14 +62,15 @@ class PackedBins:
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> PackedBins:
     """Assign rows to bins of at most `capacity` tokens by best-fit decreasing: rows longest
     first (ties: lower index first), each into the open bin it fills most tightly (the least
-    room left that still fits; ties: the bin opened first), or a new bin when none fits.
-    Deterministic; bins are numbered in the order they were opened, rows within a bin in the
-    order they were placed.
+    room left that still fits; of bins with equal room, the one that came to have that room
+    first), or a new bin when none fits. Deterministic; bins are numbered in the order they
+    were opened, rows within a bin in the order they were placed. The tie rules are TRL 1.16's
+    (`trl.data_utils._pack_bfd`), so both pack the same rows into the same sequences.
 
-    Bins with equal room left are kept together, one heap of bin numbers per room (at most
-    `capacity` distinct values, in a sorted list), so a row costs O(log capacity + log bins):
-    a million rows take seconds (hand-written: no library we use has BFD over plain lengths;
-    TRL's lives inside its dataset code)."""
+    Bins with equal room left wait in one queue per room (at most `capacity` distinct rooms,
+    kept in a sorted list), so a row costs O(log capacity): a million rows take seconds.
+    Hand-written because the one library implementation, TRL's, works only inside its
+    dataset preparation and writes new packed rows (we keep row indices)."""
     sizes = np.asarray(lengths, dtype=np.int64)
     if sizes.size and (sizes.min() < 1 or sizes.max() > capacity):
         bad = int(np.flatnonzero((sizes < 1) | (sizes > capacity))[0])
@@ -80,7 +81,7 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> PackedBins:
     by_length = np.argsort(-sizes, kind="stable")
     bins: list[list[int]] = []
     room_of: list[int] = []
-    with_room: dict[int, list[int]] = {}  # room left -> heap of bin numbers
+    with_room: dict[int, deque[int]] = {}  # room left -> bins with that room, oldest first
     rooms: list[int] = []  # sorted distinct rooms that have a bin
     for row in by_length.tolist():
         size = int(sizes[row])
@@ -91,7 +92,7 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> PackedBins:
             room_of.append(capacity)
         else:
             room = rooms[k]
-            b = heapq.heappop(with_room[room])
+            b = with_room[room].popleft()
             if not with_room[room]:
                 del with_room[room], rooms[k]
         bins[b].append(row)
@@ -99,9 +100,9 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> PackedBins:
         left = room_of[b]
         if left > 0:
             if left not in with_room:
-                with_room[left] = []
+                with_room[left] = deque()
                 bisect.insort(rooms, left)
-            heapq.heappush(with_room[left], b)
+            with_room[left].append(b)
     order = np.fromiter((r for content in bins for r in content), dtype=np.int64, count=sizes.size)
     offsets = np.zeros(len(bins) + 1, dtype=np.int64)
     np.cumsum([len(content) for content in bins], out=offsets[1:])
