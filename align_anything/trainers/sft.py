@@ -22,6 +22,7 @@ from align_anything.data.layouts import (
 )
 from align_anything.data.packing import (
     FLATTENED_KERNELS,
+    PACKING_KERNELS,
     PackedRows,
     PackedSequence,
     best_fit_decreasing,
@@ -78,6 +79,11 @@ class SFTTrainer(Trainer):
 
     def after_engine(self) -> None:
         kernel = self.engine.module.config._attn_implementation
+        if self.cfg.sft.packing and kernel not in PACKING_KERNELS:
+            raise ConfigError(
+                f"sft.packing runs on {', '.join(PACKING_KERNELS)} attention, not {kernel}: "
+                "set model.attn_implementation=sdpa"
+            )
         self.flatten_packed = kernel in FLATTENED_KERNELS
         self.share_prefix = (
             self.cfg.speed.share_prefix
