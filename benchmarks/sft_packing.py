@@ -126,8 +126,10 @@ class PackingSetup:
         )  # fmt: skip
 
 
-def run(setup: PackingSetup, *, repeats: int, threads: int | None) -> dict[str, list]:
-    """Every variant `repeats` times, interleaved."""
+def run(
+    setup: PackingSetup, *, repeats: int, threads: int | None, only: str | None = None
+) -> dict[str, list]:
+    """Every variant (or those named in `only`, comma-separated) `repeats` times, interleaved."""
     workdir = Path(tempfile.mkdtemp(prefix="aa-bench-sft-packing-"))
     env = child_env(threads)
     packed_overrides, spec = child_inputs(setup.packed, workdir)
@@ -142,6 +144,11 @@ def run(setup: PackingSetup, *, repeats: int, threads: int | None) -> dict[str, 
         runners[name] = lambda n=name, c=checkpointing, o=optim: run_trl(
             n, {**spec, "gradient_checkpointing": c, "optim": o}, workdir=workdir, env=env
         )
+    if only:
+        wanted = [name.strip() for name in only.split(",")]
+        if PACKED not in wanted or any(name not in runners for name in wanted):
+            raise SystemExit(f"--only takes {PACKED!r} and any of {list(runners)}")
+        runners = {name: runners[name] for name in wanted}
     print(f"work folder {workdir}; {len(runners)} variants × {repeats} repeats", flush=True)
     return interleave(runners, repeats)
 
@@ -204,12 +211,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per variant")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per run")
     parser.add_argument("--data", type=Path, default=HH_FILE if HH_FILE.is_file() else HH_SAMPLE)
+    parser.add_argument("--only", default=None, help="comma-separated variants to run")
     args = parser.parse_args()
     setup = PackingSetup(
         rows=args.rows, steps=args.steps, batch=args.batch, max_length=args.max_length,
         learning_rate=args.learning_rate, model=args.model, source=args.data,
     )  # fmt: skip
-    records = run(setup, repeats=args.repeats, threads=args.threads)
+    records = run(setup, repeats=args.repeats, threads=args.threads, only=args.only)
     print()
     print(f"load average at the end: {os.getloadavg()}")
     print(report(setup, records))
