@@ -15,8 +15,10 @@ TRL's assistant-only loss swaps in its own training chat template, whose masks a
 - TRL packed: `packing=True` (its BFD, which breaks ties as ours does, so the packed sequences
   are the same: the report checks), padding-free, reading its packed sequences in our training
   order; as shipped (gradient checkpointing) and without checkpointing, fused AdamW.
-- align_anything unpacked: the rows of those packed sequences, one per batch row, in global
-  batches of (rows / steps): about the same tokens.
+- align_anything unpacked: the rows of those packed sequences in global batches of
+  (rows / steps): about the same tokens; with its defaults (`speed.share_prefix`: a
+  micro-batch's rows as one row after their common system prompt, no padding between them) and
+  "plain" (`speed.share_prefix=false`: each row padded to the micro-batch's longest).
 
 Each side: the same model, fp32 on CPU, the same optimizer settings and constant rate, one
 process, interleaved repeats (see common.py). Needs the `bench` extra (TRL).
@@ -46,6 +48,10 @@ HH_FILE = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jso
 HH_SAMPLE = REPO_ROOT / "tests" / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"
 PACKED = "align_anything packed"
 UNPACKED = "align_anything unpacked"
+# Without packing and without the shared-prefix layout: every row padded to its micro-batch's
+# longest (the unpacked default computes the rows' common system prompt once in one row, with
+# no padding between them, which already removes most of what packing saves).
+UNPACKED_PLAIN = "align_anything unpacked plain"
 TRL_PACKED = ("TRL packed", True, "adamw_torch")
 TRL_PACKED_FAST = ("TRL packed no-GC fused", False, "adamw_torch_fused")
 
@@ -139,6 +145,12 @@ def run(
     runners = {
         PACKED: lambda: run_ours(PACKED, packed_overrides, workdir=workdir, env=env),
         UNPACKED: lambda: run_ours(UNPACKED, plain_overrides, workdir=workdir, env=env),
+        UNPACKED_PLAIN: lambda: run_ours(
+            UNPACKED_PLAIN,
+            [*plain_overrides, "speed.share_prefix=false"],
+            workdir=workdir,
+            env=env,
+        ),
     }
     for name, checkpointing, optim, _ in setup.packed.trl_variants or ():
         runners[name] = lambda n=name, c=checkpointing, o=optim: run_trl(
@@ -157,7 +169,7 @@ def report(setup: PackingSetup, records: dict[str, list]) -> str:
     """Markdown: per variant tokens/s and peak RSS (medians), ratios against TRL packed; the
     packed sequences' identity and the losses' agreement."""
     tokens = {name: setup.packed.tokens for name in records}
-    tokens[UNPACKED] = setup.unpacked.tokens
+    tokens[UNPACKED] = tokens[UNPACKED_PLAIN] = setup.unpacked.tokens
     seconds = {name: median([r.seconds for r in runs]) for name, runs in records.items()}
     rss = {name: median([r.peak_rss_mib for r in runs]) for name, runs in records.items()}
     speed = {name: tokens[name] / seconds[name] for name in records}
