@@ -87,6 +87,11 @@ class ModelConfig(_Section):
         description="Parts whose weights stay fixed: any of `vision_tower`, `audio_tower`, `projector`, `language_model` (multimodal models).",
     )
     lora: LoraSection = Field(description="Train low-rank adapters instead of all weights.")
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2", "flex_attention"] = (
+        Field(
+            description="Attention kernel: `auto` (what transformers picks: sdpa where the model supports it, else eager), `sdpa`, `eager`, `flash_attention_2` (needs the flash-attn package and a CUDA GPU, bf16/fp16) or `flex_attention` (GPU: no backward pass on CPU). An unavailable kernel is an error before any weights load; the shared-prefix layouts (`speed.share_prefix`) need sdpa or eager and fall back to plain rows otherwise, saying so; `sft.packing` runs on all five.",
+        )
+    )
 
 
 class DataConfig(_Section):
@@ -252,6 +257,9 @@ class CheckpointConfig(_Section):
 class SFTSection(_Section):
     assistant_only_loss: bool = Field(
         description="Train on assistant tokens only; false trains on every non-padding token (prompt and template included).",
+    )
+    packing: bool = Field(
+        description="Pack training rows into sequences of up to `data.max_length` tokens (best-fit decreasing, once over the training set); position ids restart at each row and no token attends across rows, so the loss is that of the unpacked rows. `train.per_device_batch_size` then counts packed sequences, as TRL's packing does. Text models only; evaluation rows stay unpacked.",
     )
 
 

@@ -2,9 +2,10 @@
 
 - `token_logps` / `selected_token_logps` / `completion_logps`: log p of target tokens from
   logits, chunked over the sequence so the fp32 softmax never exists for the whole batch.
-- `completion_forward`: a plain batch (one row per sequence) → summed completion log-probs
-  and token counts; with `completion_only`, the LM head runs only where a scored token is
-  predicted.
+- `completion_forward`: a plain batch (one row per sequence) or a packed one (`sft.packing`:
+  rows concatenated, position ids restarting at each) → summed completion log-probs and token
+  counts per row of the batch; with `completion_only`, the LM head runs only where a scored
+  token is predicted.
 - `shared_prefix_logps`: the same for the shared-prefix layouts of `data.layouts`.
 - `sequence_scores`: a reward model's score per sequence.
 
@@ -184,6 +185,8 @@ def completion_forward(
         "attention_mask": batch["attention_mask"],
         **media_inputs(batch),
     }
+    if "position_ids" in batch:  # packed rows (sft.packing): restarting positions, no 2D mask
+        inputs.update(attention_mask=None, position_ids=batch["position_ids"], use_cache=False)
     if not completion_only:
         logits = model(**inputs).logits
         sums, counts = completion_logps(logits, labels)

@@ -7,9 +7,12 @@ SPEC holds: task (dpo|sft|kto), model_path, rows_path (JSONL in the order to tra
 steps, max_length, learning_rate, adam betas/eps, weight_decay, max_grad_norm, seed,
 gradient_checkpointing, output_dir; beta (DPO, KTO); for DPO optionally loss_type (a list;
 default ["sigmoid"]), loss_weights, label_smoothing and discopop_tau; for KTO desirable_weight /
-undesirable_weight and precompute_ref_log_probs. Writes output_dir/result.json: per-step wall
+undesirable_weight and precompute_ref_log_probs; for SFT optionally completion_only_loss
+(default true), packing (TRL's BFD, padding-free) and bin_order (the packed sequences' order).
+Writes output_dir/result.json: per-step wall
 times (a callback around each optimizer step), the logged figures of every step, and the token
-length of every tokenised row (to compare with align_anything's encoding).
+length of every tokenised row (packed: every packed sequence's row lengths, in TRL's packing
+order), to compare with align_anything's encoding.
 """
 
 from __future__ import annotations
@@ -137,14 +140,24 @@ def main(spec_path: str) -> None:
     else:
         from trl import SFTConfig, SFTTrainer
 
-        args = SFTConfig(**common_args(spec), completion_only_loss=True, packing=False)
+        packing = spec.get("packing", False)
+        args = SFTConfig(
+            **common_args(spec), completion_only_loss=spec.get("completion_only_loss", True),
+            packing=packing, packing_strategy="bfd",
+        )  # fmt: skip
         trainer = SFTTrainer(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
             callbacks=[timer],
         )  # fmt: skip
         encoded = trainer.train_dataset
-        # TRL folds its completion mask into `labels` (-100 outside the completion).
-        lengths = [[len(r["input_ids"]), sum(t != -100 for t in r["labels"])] for r in encoded]
+        if packing:
+            # TRL packs the rows in file order; it then reads its packed sequences in
+            # align_anything's training order of the same sequences (by number).
+            lengths = [list(r["seq_lengths"]) for r in encoded]
+            trainer.train_dataset = encoded.select(spec["bin_order"])
+        else:
+            # TRL folds its completion mask into `labels` (-100 outside the completion).
+            lengths = [[len(r["input_ids"]), sum(t != -100 for t in r["labels"])] for r in encoded]
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     result = {

@@ -16,6 +16,7 @@ import common  # noqa: E402
 import dpo_vs_trl  # noqa: E402
 import gpu_bench  # noqa: E402
 import kto_vs_trl  # noqa: E402
+import sft_packing  # noqa: E402
 import sft_vs_trl  # noqa: E402
 import trl_child  # noqa: E402, F401  (imports without TRL: TRL is imported inside main)
 
@@ -111,3 +112,24 @@ def test_gpu_flops_and_peaks() -> None:
     assert gpu_bench.peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert gpu_bench.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
     assert gpu_bench.peak_tflops("Some Future GPU") is None
+
+
+def test_sft_packing_setup_packs_the_same_rows_for_both_sides() -> None:
+    sample = Path(__file__).resolve().parent / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"
+    setup = sft_packing.PackingSetup(
+        rows=40, steps=2, batch=2, max_length=256, learning_rate=1e-4,
+        model="tiny-random-llama", source=sample,
+    )  # fmt: skip
+    packed, plain = setup.packed, setup.unpacked
+    assert len(packed.ours_rows) == 40 and packed.trl_rows == packed.ours_rows  # file order
+    first = packed.ours_rows[0]["messages"]
+    assert first[0]["role"] == "user" and first[-1]["role"] == "assistant"
+    # The bins both sides train on, in align_anything's order of packed sequences.
+    assert packed.extra_spec["bin_order"] == common.training_order(setup.num_bins, batch=2, steps=2)
+    assert all(sum(b) <= 256 for b in setup.bin_lengths) and len(setup.bin_lengths) == 4
+    assert packed.tokens == sum(map(sum, setup.bin_lengths))
+    # The unpacked run holds exactly the rows of those packed sequences.
+    assert len(plain.ours_rows) == sum(len(b) for b in setup.bin_lengths)
+    assert plain.batch == len(plain.ours_rows) // 2
+    assert "sft.packing=true" in packed.extra_overrides
+    assert "sft.packing=true" not in plain.extra_overrides

@@ -14,9 +14,14 @@ positions it sees in its own row on the plain path, so the log-probs are the sam
 float summation order), from the prefix once instead of once per sequence, and without padding
 between the sequences of a group.
 
-transformers passes a 4D mask through unchanged (`masking_utils`), to SDPA as a boolean mask and
-to eager attention as an additive float mask; other kernels (FlashAttention, flex) take no dense
-mask, so trainers use this path only with `sdpa` or `eager` (`supports_shared_prompt`).
+Kernels (`model.attn_implementation`): these layouts run on `sdpa` and `eager`
+(`DENSE_MASK_ATTENTION`). transformers passes a 4D mask through unchanged (`masking_utils`), to
+SDPA as a boolean mask and to eager attention as an additive float mask. FlashAttention takes no
+dense mask, and position ids cannot stand in for it here: a suffix must see the prefix but not
+its sibling suffixes, which is no set of separate sequences (packing is, and runs on every kernel:
+`data/packing.py`). flex_attention would need the mask rebuilt as a BlockMask; not done. With
+those kernels the trainers use plain rows and the start-up summary says why
+(`supports_shared_prompt`).
 """
 
 from __future__ import annotations

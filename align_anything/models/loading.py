@@ -11,6 +11,7 @@ the planner, on CPU for export).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -155,11 +156,84 @@ def model_class(config: Any, *, reward: bool) -> type:
     return AutoModelForMultimodalLM if multimodal else AutoModelForCausalLM
 
 
+# model.attn_implementation -> the class flag transformers sets for a model that supports it.
+_KERNEL_SUPPORT = {
+    "sdpa": "_supports_sdpa",
+    "flash_attention_2": "_supports_flash_attn",
+    "flex_attention": "_supports_flex_attn",
+}
+
+
+def _concrete_class(config: Any, *, reward: bool) -> type | None:
+    """The transformers class `model_class` resolves to for this config (None when the
+    auto class does not know it, e.g. remote code: transformers then checks by itself)."""
+    cls = model_class(config, reward=reward)
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is None:
+        return cls
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        return None
+
+
+def check_attention(
+    requested: str, config: Any, *, reward: bool, device_type: str, precision: str
+) -> str | None:
+    """The `attn_implementation` to pass to `from_pretrained` for `model.attn_implementation`
+    (None for `auto`: transformers picks sdpa where the model supports it, else eager), or a
+    `ConfigError` before any weights load: a kernel that is not installed, that this device or
+    precision cannot train with, or that the model class does not implement. Errors rather than
+    falling back: a kernel named explicitly is a choice a silent substitute would undo."""
+    if requested == "auto":
+        return None
+    key = f"model.attn_implementation={requested}"
+    if requested == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError(
+                f"{key} needs the flash-attn package, which is not installed: install it on a "
+                "CUDA machine (pip install flash-attn --no-build-isolation), or use "
+                "model.attn_implementation=sdpa"
+            )
+        if device_type != "cuda" or not is_flash_attn_2_available():
+            raise ConfigError(
+                f"{key} runs only on a CUDA GPU with a matching flash-attn build (this run is on "
+                f"{device_type}); use model.attn_implementation=sdpa"
+            )
+        if precision == "fp32":
+            raise ConfigError(
+                f"{key} computes in bf16 or fp16 only, and train.precision=fp32: use "
+                "train.precision=auto (bf16 or fp16 on a GPU) or model.attn_implementation=sdpa"
+            )
+    if requested == "flex_attention":
+        from transformers.utils import is_torch_flex_attn_available
+
+        if not is_torch_flex_attn_available():
+            raise ConfigError(f"{key} needs torch >= 2.5 with flex attention; use sdpa")
+        if device_type == "cpu":
+            raise ConfigError(
+                f"{key}: torch's FlexAttention has no backward pass on CPU, so it cannot train "
+                "here; use model.attn_implementation=sdpa (or eager), or a GPU"
+            )
+    cls = _concrete_class(config, reward=reward)
+    flag = _KERNEL_SUPPORT.get(requested)
+    if cls is not None and flag is not None and not getattr(cls, flag, False):
+        raise ConfigError(
+            f"{key}: {cls.__name__} does not implement {requested} in this transformers "
+            "version; use model.attn_implementation=auto"
+        )
+    return requested
+
+
 def load_model(
-    name_or_path: str, *, reward: bool, dtype: Any, trust_remote_code: bool = False
-) -> Any:
+    name_or_path: str, *, reward: bool, dtype: Any, trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> Any:  # fmt: skip
     """The model of a built-in name, folder or hub name, weights loaded (a reward model gets a
-    new one-output score head when the checkpoint has none). Call inside
+    new one-output score head when the checkpoint has none), with the attention kernel
+    `attn_implementation` (see `check_attention`; None: transformers' choice). Call inside
     `backend.zero_init.model_init_context` so ZeRO-3 loads partitioned weights."""
     from transformers.utils import logging as hf_logging
 
@@ -167,6 +241,8 @@ def load_model(
     config = load_config(path, trust_remote_code=trust_remote_code)
     cls = model_class(config, reward=reward)
     kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     if not (reward and modalities_of(config)):  # our own reward classes run no remote code
         kwargs["trust_remote_code"] = trust_remote_code
     if reward and not modalities_of(config):

@@ -85,6 +85,7 @@ class Trainer:
         return model_loading.load_model(
             self.model_path, reward=self.task == "rm", dtype=dsc.torch_dtype(self.precision),
             trust_remote_code=self.cfg.model.trust_remote_code,
+            attn_implementation=self.attn_implementation,
         )  # fmt: skip
 
     def count_items(self, batch: dict[str, torch.Tensor]) -> int:
@@ -181,7 +182,7 @@ class Trainer:
 
     def _load_tokenizer(self) -> None:
         """The model's config and tokenizer (for image-text / audio-text models, the
-        processor's tokenizer, and media support for the data)."""
+        processor's tokenizer, and media support for the data); the attention kernel checked."""
         cfg = self.cfg.model
         self.model_path = zoo.resolve_model_path(cfg.name_or_path)
         self.model_config, self.tokenizer, self.processor = model_loading.load_text_side(
@@ -189,6 +190,10 @@ class Trainer:
         )
         modalities = model_loading.modalities_of(self.model_config)
         self.media = MediaSupport(self.processor, modalities) if modalities else None
+        self.attn_implementation = model_loading.check_attention(
+            cfg.attn_implementation, self.model_config, reward=self.task == "rm",
+            device_type=self.dist.device.type, precision=self.cfg.train.precision,
+        )  # fmt: skip
 
     def _build_data(self) -> None:
         """Load, check, split and encode the data (before any weights: a bad dataset fails in

@@ -51,11 +51,14 @@ def startup_summary(t: Trainer) -> str:
         f"  world size      {ds.batch.world_size} ({t.dist.backend} on {t.dist.device.type})",
         f"  effective batch {ds.batch.describe()}",
         f"  steps           {t.total_steps} ({t.steps_per_epoch} per epoch, "
-        f"{len(t.train_rows)} train rows, {len(t.eval_rows)} eval rows)",
+        f"{len(t.train_rows)} train {getattr(t, 'train_unit', 'rows')}, "
+        f"{len(t.eval_rows)} eval rows)",
         f"  deepspeed       ZeRO stage {t.engine.zero_stage}"
         + (f", offload {' + '.join(offload)}" if offload else "")
         + f" ({Path(ds.source).name})",
         f"  precision       {ds.precision}",
+        f"  attention       {t.engine.module.config._attn_implementation} "
+        f"(model.attn_implementation={cfg.model.attn_implementation})",
         f"  ds config       {json.dumps(ds.config, separators=(',', ':'))}",
         f"  memory plan     {memory_plan(t)}; now {memory.memory_summary()}",
         *parts,
