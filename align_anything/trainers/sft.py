@@ -8,7 +8,8 @@ from typing import ClassVar
 
 import torch
 
-from align_anything.data import IGNORE_INDEX, DataReport, collate_sft, encode_sft
+from align_anything.data import IGNORE_INDEX, collate_sft
+from align_anything.data.encode import Encoding
 from align_anything.data.layouts import collate_shared_sft, mask_dtype, supports_shared_prompt
 from align_anything.forward import completion_forward, shared_prefix_logps
 from align_anything.trainers.base import Trainer
@@ -19,16 +20,8 @@ class SFTTrainer(Trainer):
     record_kind: ClassVar[str] = "conversation"
     count_unit: ClassVar[str] = "tokens"
 
-    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
-        rows, report = encode_sft(
-            records,
-            self.tokenizer,
-            max_length=self.cfg.data.max_length,
-            truncation=self.cfg.data.truncation,
-        )
-        if not self.cfg.sft.assistant_only_loss:
-            rows = [{**row, "labels": list(row["input_ids"])} for row in rows]
-        return rows, report
+    def encoding(self) -> Encoding:
+        return Encoding("sft", all_labels=not self.cfg.sft.assistant_only_loss)
 
     def after_engine(self) -> None:
         self.share_prefix = self.cfg.speed.share_prefix and supports_shared_prompt(
