@@ -84,13 +84,21 @@ def _source_part(source: pipeline.Source) -> dict[str, Any]:
     return {**dataclasses.asdict(source), "content": content}
 
 
+def _source_parts(sources: tuple[pipeline.Source, ...], split: str) -> list[dict[str, Any]]:
+    parts = []
+    for k, source in enumerate(sources):
+        with pipeline.naming_source(split, k, len(sources)):
+            parts.append(_source_part(source))
+    return parts
+
+
 def key_parts(spec: pipeline.Spec, *, tokenizer: Any, media: Any) -> dict[str, Any]:
     """Everything the prepared data depends on (see the module docstring)."""
     parts = {
         "encoder_version": ENCODER_VERSION,
         "task": spec.task,
-        "train": [_source_part(s) for s in spec.train],
-        "eval": [_source_part(s) for s in spec.eval],
+        "train": _source_parts(spec.train, "data.path"),
+        "eval": _source_parts(spec.eval, "data.eval_path"),
         "eval_fraction": 0.0 if spec.eval else spec.eval_fraction,
         "seed": spec.seed if spec.seeded else None,
         "max_train": spec.max_train,

@@ -19,10 +19,11 @@ run do not change with this path):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,14 +287,22 @@ def open_sources(sources: Sequence[Source], *, kind: str, task: str,
     source, a bad column mapping or a source of another kind fails first."""
     opened = []
     for k, source in enumerate(sources):
-        where = f"{split}[{k}] " if len(sources) > 1 else ""
-        try:
+        with naming_source(split, k, len(sources)):
             one = open_source(source.path, format=source.format, columns=source.columns)
             check_source_kind(one.kind, kind, source=one.path, task=task)
-        except UserError as err:
-            raise type(err)(f"{where}{err}") from None
         opened.append(one)
     return opened
+
+
+@contextlib.contextmanager
+def naming_source(split: str, index: int, count: int) -> Iterator[None]:
+    """A UserError raised inside names the source of a mixture it is about (`data.path[1] …`)."""
+    try:
+        yield
+    except UserError as err:
+        if count == 1:
+            raise
+        raise type(err)(f"{split}[{index}] {err}") from None
 
 
 def _records_of(sources: Sequence[Source], opened: Sequence[OpenedSource], *, spec: Spec,
