@@ -48,10 +48,10 @@ def spec(path: str, encoding: Encoding, **changes) -> Spec:
     return dataclasses.replace(base, **changes)
 
 
-def prepare(s: Spec, tokenizer, root: Path) -> cache.Prepared:
+def prepare(s: Spec, tokenizer, root: Path, num_proc: int = 1) -> cache.Prepared:
     parts = cache.key_parts(s, tokenizer=tokenizer, media=None)
     note = cache.ensure(s, parts, root=root, tokenizer=tokenizer, media=None, model_name="tiny",
-                        num_proc=1)  # fmt: skip
+                        num_proc=num_proc)  # fmt: skip
     return cache.open_prepared(cache.folder_for(root, s, parts), note=note)
 
 
@@ -75,6 +75,21 @@ def test_arrow_rows_and_reports_equal_the_list_encoders(tokenizer, hh_sample, tm
     assert got.eval_records[:3] == held_out[:3]
     lengths = [sum(len(v) for k, v in r.items() if k.endswith("ids")) for r in want]
     assert got.train.lengths().tolist() == lengths
+
+
+def test_worker_processes_give_the_same_rows_and_row_numbers(
+    tokenizer, hh_sample, tmp_path, monkeypatch
+) -> None:
+    from align_anything.data import pipeline
+
+    s = spec(str(hh_sample), Encoding("preference"))
+    one = prepare(s, tokenizer, tmp_path / "one", num_proc=1)
+    monkeypatch.setattr(pipeline, "MIN_ROWS_PER_PROCESS", 10)  # 120 rows: 2 worker processes
+    two = prepare(s, tokenizer, tmp_path / "two", num_proc=2)
+    assert [r.summary() for r in two.reports] == [r.summary() for r in one.reports]
+    assert [two.train[i] for i in range(len(two.train))] == [
+        one.train[i] for i in range(len(one.train))
+    ]
 
 
 def test_sft_and_unpaired_rows_equal_the_list_encoders(tokenizer, tmp_path) -> None:
