@@ -161,6 +161,10 @@ def test_a_damaged_cache_is_detected_and_rebuilt(tokenizer, hh_sample, tmp_path,
     else:
         arrow.unlink()
     assert cache.verify(first.folder) is not None
+    import os
+
+    abandoned = root / f".tmp-{first.folder.name}-{os.uname().nodename}-999999999-0"
+    abandoned.mkdir()  # what a killed build leaves: removed by the next build
     again = prepare(s, tokenizer, root)
     assert again.note.startswith("tokenised ") and "rebuilt: " in again.note
     assert [again.train[i] for i in range(len(again.train))] == want

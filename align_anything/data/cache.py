@@ -191,6 +191,20 @@ def _load(folder: Path) -> Any:
     return datasets.load_from_disk(str(folder))
 
 
+def _remove_abandoned(root: Path, prefix: str) -> None:
+    """Remove temporary folders that a killed build on this host left (its process is gone)."""
+    for path in root.glob(f"{prefix}*"):
+        pid = path.name[len(prefix) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
+
+
 def folder_for(root: Path, spec: pipeline.Spec, parts: dict[str, Any]) -> Path:
     return root / f"{spec.task}-{_hash(parts)}"
 
@@ -212,7 +226,9 @@ def ensure(
             f"{manifest['seconds']:.1f} s when built; no tokenisation now)"
         )
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".tmp-{folder.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    host = os.uname().nodename
+    _remove_abandoned(root, f".tmp-{folder.name}-{host}-")
+    tmp = root / f".tmp-{folder.name}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     work = tmp / "work"
     work.mkdir(parents=True)
     start = time.perf_counter()

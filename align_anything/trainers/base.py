@@ -298,6 +298,11 @@ class Trainer:
         """The list path, for a trainer without an `encoding` (its `encode` hook): records and
         rows as Python lists, no cache."""
         cfg = self.cfg.data
+        if not isinstance(cfg.path, str) or not isinstance(cfg.eval_path, str | None):
+            raise UserError(
+                f"task={self.task} reads one data source (its trainer encodes Python lists); "
+                "give data.path and data.eval_path as a single path, not a list"
+            )
         train, self.eval_records, found = splits.train_and_eval(
             cfg.path, cfg.eval_path, eval_fraction=cfg.eval_fraction, seed=self.cfg.train.seed,
             max_train=cfg.max_train_samples, max_eval=cfg.max_eval_samples, fmt=cfg.format,
