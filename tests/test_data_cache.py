@@ -290,6 +290,7 @@ def test_two_ranks_share_one_cache_and_only_rank_0_tokenises(tmp_path: Path) -> 
     (entry,) = (tmp_path / "cache").iterdir()
     manifest = json.loads((entry / cache.MANIFEST).read_text())
     assert manifest["built_by"]["rank"] == "0"
-    one = launch(args, tmp_path / "one").check()  # one rank, the same entry: a hit, same losses
+    # One rank with the same global batch (micro 4 x accumulation 2): a hit, the same losses.
+    one = launch([*args, "train.gradient_accumulation_steps=2"], tmp_path / "one").check()
     assert "cache hit " in one.summary_line("data cache")
     assert one.losses() == pytest.approx(two.losses(), rel=1e-5)
