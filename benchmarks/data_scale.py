@@ -89,6 +89,19 @@ def _rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _rss_split_mib() -> dict[str, float]:
+    """This process's resident memory now, split as Linux reports it: anonymous (heap: what a
+    process really holds) and file-backed (mapped files, e.g. Arrow tables; the page cache's,
+    shared between processes mapping the same file)."""
+    found = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                found[key] = int(value.split()[0]) / 1024
+    return {"rss_anon_mib": found.get("RssAnon", 0.0), "rss_file_mib": found.get("RssFile", 0.0)}
+
+
 def child_ours(rows: Path, cache_dir: Path, num_proc: int) -> dict[str, Any]:
     import datasets
 
@@ -112,7 +125,7 @@ def child_ours(rows: Path, cache_dir: Path, num_proc: int) -> dict[str, Any]:
     lengths = prepared.train.lengths()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "baseline_rss_mib": baseline, "rows": len(prepared.train),
-            "tokens": int(lengths.sum()), "note": note}  # fmt: skip
+            "tokens": int(lengths.sum()), "note": note, **_rss_split_mib()}  # fmt: skip
 
 
 def child_trl(rows: Path, num_proc: int, workdir: Path) -> dict[str, Any]:
@@ -142,7 +155,7 @@ def child_trl(rows: Path, num_proc: int, workdir: Path) -> dict[str, Any]:
             tokens += sum(len(ids) for ids in column)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "baseline_rss_mib": baseline, "rows": len(prepared),
-            "tokens": tokens}  # fmt: skip
+            "tokens": tokens, **_rss_split_mib()}  # fmt: skip
 
 
 # ----------------------------------------------------------------- the comparison
@@ -164,18 +177,23 @@ def measure(kind: str, rows: Path, *, cache_dir: Path, num_proc: int, workdir: P
 def table(results: dict[int, dict[str, dict]]) -> str:
     lines = [
         "| pairs | ours first (s) | ours cached (s) | TRL (s) | first / TRL | cached / TRL | "
-        "peak RSS ours first / cached / TRL (MiB) | RSS above baseline ours / TRL (MiB) | load |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "peak RSS ours first / cached / TRL (MiB) | RSS above baseline ours / TRL (MiB) | "
+        "anon + file RSS at the end, ours first / cached / TRL (MiB) | load |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for size, r in sorted(results.items()):
         ours, hit, trl = r["ours"], r["cached"], r["trl"]
         above = [x["peak_rss_mib"] - x["baseline_rss_mib"] for x in (ours, trl)]
         loads = "/".join(f"{x['load']:.1f}" for x in (ours, hit, trl))
+        split = " / ".join(
+            f"{x.get('rss_anon_mib', 0):.0f}+{x.get('rss_file_mib', 0):.0f}"
+            for x in (ours, hit, trl)
+        )
         lines.append(
             f"| {size:,} | {ours['seconds']:.1f} | {hit['seconds']:.2f} | {trl['seconds']:.1f} | "
             f"{ours['seconds'] / trl['seconds']:.2f}x | {hit['seconds'] / trl['seconds']:.3f}x | "
             f"{ours['peak_rss_mib']:.0f} / {hit['peak_rss_mib']:.0f} / {trl['peak_rss_mib']:.0f} | "
-            f"{above[0]:.0f} / {above[1]:.0f} | {loads} |"
+            f"{above[0]:.0f} / {above[1]:.0f} | {split} | {loads} |"
         )
     return "\n".join(lines)
 

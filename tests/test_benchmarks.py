@@ -128,4 +128,4 @@ def test_data_scale_rows_are_all_different_and_numbered(tmp_path: Path) -> None:
     record = {"seconds": 2.0, "baseline_rss_mib": 100.0, "peak_rss_mib": 150.0, "load": 1.0}
     table = data_scale.table({1000: {"ours": record, "cached": {**record, "seconds": 0.5},
                                      "trl": {**record, "seconds": 4.0}}})  # fmt: skip
-    assert "| 1,000 | 2.0 | 0.50 | 4.0 | 0.50x | 0.125x |" in table
+    assert "| 1,000 | 2.0 | 0.50 | 4.0 | 0.50x | 0.125x | 150 / 150 / 150 | 50 / 50 |" in table
