@@ -94,13 +94,50 @@ class ModelConfig(_Section):
     )
 
 
-class DataConfig(_Section):
-    path: str = Field(
-        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`, `arith-prompts`, `arith-prompts-eval`) or a hub dataset.",
+DataFormat = Literal[
+    "auto", "conversation", "prompt_response", "preference", "hh", "unpaired", "prompt"
+]
+# The keys a `data.path` / `data.eval_path` list entry may leave out (they inherit or take all rows).
+SOURCE_OPTIONAL = ("format", "columns", "weight", "rows")
+
+
+class DataSource(_Section):
+    """One source of a mixture (an entry of a `data.path` or `data.eval_path` list)."""
+
+    path: str = Field(description="A file, folder, built-in name or hub dataset, as `data.path`.")
+    format: DataFormat | None = Field(description="This source's format (null: `data.format`).")
+    columns: dict[str, str] | None = Field(
+        description="This source's column mapping (null: `data.columns`)."
     )
-    format: Literal[
-        "auto", "conversation", "prompt_response", "preference", "hh", "unpaired", "prompt"
-    ] = Field(
+    weight: float | None = Field(
+        gt=0,
+        description="Share of the mixture relative to the other weighted sources' (the mix is as large as the scarcest weighted source allows without repeating rows).",
+    )
+    rows: int | None = Field(
+        ge=1,
+        description="Take this many rows (drawn by `train.seed`; beyond the source's size, its rows repeat).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optional_keys(cls, value: Any) -> Any:
+        # An entry names what it changes; the rest inherits (null), so no key needs writing out.
+        if isinstance(value, dict):
+            return {**{key: None for key in SOURCE_OPTIONAL}, **value}
+        return value
+
+    @model_validator(mode="after")
+    def _one_amount(self) -> DataSource:
+        if self.weight is not None and self.rows is not None:
+            raise ValueError("give a source a weight or a row count, not both")
+        return self
+
+
+class DataConfig(_Section):
+    path: str | list[DataSource] = Field(
+        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`, `arith-prompts`, `arith-prompts-eval`) or a hub dataset; or a list of sources to mix, each `{path, format, columns, weight | rows}` (e.g. `[{path: a.jsonl, weight: 3}, {path: b.jsonl, weight: 1}]`).",
+    )
+    format: DataFormat = Field(
         description="How rows map to records; `auto` recognises conversations, prompt/response, preference pairs, HH-RLHF transcripts, unpaired rows (prompt, completion, label) and prompts alone (online RL).",
     )
     columns: dict[str, str] = Field(
@@ -112,8 +149,8 @@ class DataConfig(_Section):
     truncation: Literal["drop", "truncate_prompt", "truncate_completion"] = Field(
         description="Rows longer than `max_length`: drop them (counted in the start-up summary), or cut the prompt's start or the completion's end.",
     )
-    eval_path: str | None = Field(
-        description="A held-out file; without it, `eval_fraction` of `data.path` is held out."
+    eval_path: str | list[DataSource] | None = Field(
+        description="A held-out file, or a list of sources as `data.path` takes; without it, `eval_fraction` of `data.path` is held out."
     )
     eval_fraction: float = Field(
         ge=0.0,
@@ -125,6 +162,13 @@ class DataConfig(_Section):
     )
     max_eval_samples: int | None = Field(
         ge=1, description="Use at most this many evaluation rows (null: all)."
+    )
+    num_proc: int | None = Field(
+        ge=1,
+        description="Worker processes that tokenise (batched `datasets.map`; files under 2,000 rows per process stay in one). null: the CPUs this process may use, at most 8.",
+    )
+    cache_dir: str | None = Field(
+        description="Where tokenised data is cached (null: `data/` under `ALIGN_ANYTHING_CACHE`, else ~/.cache/align_anything). A start with the same data, tokenizer, chat template, max_length, truncation and task encoding reads it instead of tokenising.",
     )
 
 

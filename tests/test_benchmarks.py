@@ -13,6 +13,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import common  # noqa: E402
+import data_scale  # noqa: E402  (imports without TRL: TRL is imported in its child)
 import dpo_vs_trl  # noqa: E402
 import gpu_bench  # noqa: E402
 import kto_vs_trl  # noqa: E402
@@ -133,3 +134,20 @@ def test_sft_packing_setup_packs_the_same_rows_for_both_sides() -> None:
     assert plain.batch == len(plain.ours_rows) // 2
     assert "sft.packing=true" in packed.extra_overrides
     assert "sft.packing=true" not in plain.extra_overrides
+
+
+def test_data_scale_rows_are_all_different_and_numbered(tmp_path: Path) -> None:
+    import json
+
+    pairs = data_scale.hh_pairs(data_scale.HH_SAMPLE)
+    assert pairs and all(p["prompt"][-1]["role"] == "user" for p in pairs)
+    path = data_scale.write_rows(pairs[:3], 7, tmp_path / "rows.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 7 and len({json.dumps(r) for r in rows}) == 7  # repeats differ
+    first_user = next(m for m in rows[4]["prompt"] if m["role"] == "user")
+    assert first_user["content"].startswith("(row 4) ")
+    assert rows[4]["chosen"] == pairs[1]["chosen"]  # row 4 repeats pair 4 % 3
+    record = {"seconds": 2.0, "baseline_rss_mib": 100.0, "peak_rss_mib": 150.0, "load": 1.0}
+    table = data_scale.table({1000: {"ours": record, "cached": {**record, "seconds": 0.5},
+                                     "trl": {**record, "seconds": 4.0}}})  # fmt: skip
+    assert "| 1,000 | 2.0 | 0.50 | 4.0 | 0.50x | 0.125x | 150 / 150 / 150 | 50 / 50 |" in table

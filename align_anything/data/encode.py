@@ -25,6 +25,7 @@ turns stay targets while they are kept).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from align_anything.data.formats import SOURCE_ROW, DataReport, RowRejected, as_messages, row_label
@@ -297,3 +298,98 @@ def encode_unpaired(
         records, tokenizer, _encode_unpaired, name="encode_unpaired", max_length=max_length,
         truncation=truncation,
     )  # fmt: skip
+
+
+# ----------------------------------------------------------------- batches (the Arrow pipeline)
+
+# What each encoding's rows hold besides `extras` (the record's other keys, as JSON).
+ENCODED_COLUMNS = {
+    "sft": ("input_ids", "labels"),
+    "preference": ("prompt_ids", "chosen_ids", "rejected_ids"),
+    "unpaired": ("prompt_ids", "completion_ids", "label"),
+}
+# The name the start-up summary gives each encoding's report (as the list encoders do).
+ENCODER_NAMES = {"sft": "encode_sft", "preference": "encode_preference",
+                 "unpaired": "encode_unpaired"}  # fmt: skip
+CUT_MEDIA = "truncation cut into media placeholder tokens"
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a task turns records into rows, as plain data: it travels to the worker processes
+    of `datasets.map` and is part of the cache key.
+
+    `kind`: "sft", "preference" or "unpaired". `all_labels` (SFT): every token is a target,
+    not only the assistant turns. `margin_column` (preference): the record key whose number
+    becomes the row's `margin`; without one a `margin` key is not kept. `unpair` (unpaired):
+    preference records are first split into a desirable and an undesirable row
+    (`formats.unpair`'s order).
+    """
+
+    kind: str
+    all_labels: bool = False
+    margin_column: str | None = None
+    unpair: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENCODED_COLUMNS:
+            raise ValueError(f"unknown encoding kind {self.kind!r}")
+
+
+def _encode_record(record: dict, encoding: Encoding, tokenizer: Any, max_length: int,
+                   truncation: str) -> dict:  # fmt: skip
+    """One record as a row (`ENCODED_COLUMNS[kind]` plus its other keys), as the list
+    encoders make it."""
+    if encoding.kind == "sft":
+        encoded = _encode_conversation(record, tokenizer, max_length, truncation)
+        if encoding.all_labels:
+            encoded["labels"] = list(encoded["input_ids"])
+        extras = {k: v for k, v in record.items() if k not in ("messages", SOURCE_ROW)}
+        return {**extras, **encoded}
+    if encoding.kind == "preference":
+        if encoding.margin_column:
+            record = {**record, "margin": float(record[encoding.margin_column])}
+        row = _encode_pair(record, tokenizer, max_length, truncation)
+        if not encoding.margin_column:
+            row.pop("margin", None)
+        return row
+    return _encode_unpaired(record, tokenizer, max_length, truncation)
+
+
+def encode_batch(
+    batch: Mapping[str, list], *, encoding: Encoding, tokenizer: Any, max_length: int,
+    truncation: str, media_token_ids: frozenset[int] = frozenset(),
+) -> dict[str, list]:  # fmt: skip
+    """`datasets.map` (batched) over records stored as JSON (`record`, `_source_row`): the
+    encoded columns, `extras` (the record's other keys as JSON, None when it has none), and
+    `_drop`, the reason a row was dropped (None for a kept row; its other columns are then
+    empty), and `_source_row` passed through. With `media_token_ids`, a row whose placeholder tokens truncation cut is dropped."""
+    from align_anything.data.jsonrow import dumps, loads
+
+    names = ENCODED_COLUMNS[encoding.kind]
+    out: dict[str, list] = {name: [] for name in (*names, "extras", "_drop")}
+    out[SOURCE_ROW] = list(batch[SOURCE_ROW])
+    for text in batch["record"]:
+        record = loads(text)
+        try:
+            row = _encode_record(record, encoding, tokenizer, max_length, truncation)
+            if media_token_ids:
+                seq = row.get("input_ids", row.get("prompt_ids", []))
+                if sum(1 for t in seq if t in media_token_ids) != row.get("media_tokens", 0):
+                    raise RowRejected(CUT_MEDIA)
+        except RowRejected as reason:
+            for name in names:
+                out[name].append(None)
+            out["extras"].append(None)
+            out["_drop"].append(str(reason))
+            continue
+        for name in names:
+            out[name].append(row.pop(name))
+        out["extras"].append(dumps(row) if row else None)
+        out["_drop"].append(None)
+    return out
+
+
+def check_encoding_arguments(tokenizer: Any, max_length: int, truncation: str) -> None:
+    """The list encoders' checks of their arguments (truncation mode, length, chat template)."""
+    _check_arguments(tokenizer, max_length, truncation)

@@ -28,9 +28,11 @@ editor numbers it, blank lines included), ``FILE line N`` for one of several suc
 from __future__ import annotations
 
 import difflib
+import math
+import numbers
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -455,31 +457,53 @@ _CONVERTERS = {
 # --------------------------------------------------------------------------- public API
 
 
-def load_records(
+@dataclass
+class OpenedSource:
+    """A loaded source and how its rows become records: the format (detected or given) and the
+    canonical name -> file column mapping, checked against the file's columns."""
+
+    dataset: Any  # datasets.Dataset of the file's rows
+    path: str  # as given (data.path)
+    source: str  # where it came from, as messages name it
+    row_names: Any  # `RowNames`: "line 12"
+    files: list  # the local files it was read from ([] for a hub dataset)
+    format: str
+    renames: dict[str, str]
+
+    @property
+    def kind(self) -> str:
+        """The record kind its rows become ("conversation", "preference", "unpaired")."""
+        return FORMAT_KINDS[self.format]
+
+    def convert(self, raw: Mapping[str, Any], index: int) -> tuple[dict | None, str | None]:
+        """(record, None) for file row `raw` (number `index`), or (None, the drop reason)."""
+        convert, consumed = _CONVERTERS[self.format]
+        row = {name: raw[column] for name, column in self.renames.items()}
+        try:
+            record = convert(row)
+        except RowRejected as reason:
+            return None, str(reason)
+        record.update({name: value for name, value in row.items() if name not in consumed})
+        record[SOURCE_ROW] = self.row_names(index)
+        return record, None
+
+
+# The record kind each format's rows become.
+FORMAT_KINDS = {
+    "conversation": "conversation", "prompt_response": "conversation",
+    "preference": "preference", "hh": "preference", "unpaired": "unpaired",
+}  # fmt: skip
+
+
+def open_source(
     path: str,
     *,
     format: str = "auto",
     columns: Mapping[str, str] | None = None,
     split: str = "train",
-) -> tuple[list[dict], DataReport]:
-    """Load `path` and return its rows as canonical records plus a report of dropped rows.
-
-    `path` is a local file (.json, .jsonl, .json(l).gz, .parquet, .csv), a local folder of such
-    files (split by file name the way `datasets` does: train*, test*/eval*, ...), a built-in
-    dataset name, or a hub dataset name. A single file serves as whichever `split` is asked for;
-    slices such as ``train[:100]`` work everywhere.
-
-    `format` is one of ``auto``, ``conversation``, ``prompt_response``, ``preference``, ``hh``,
-    ``unpaired``. ``auto`` picks, in order: prompt+chosen+rejected -> preference; chosen+rejected
-    holding HH transcripts -> hh (holding message lists -> preference with their shared
-    beginning as the prompt); messages -> conversation; prompt+completion (or response)+label ->
-    unpaired; prompt+response (or completion) -> prompt_response.
-
-    `columns` maps canonical names to the file's names, e.g. ``{"prompt": "question"}``.
-    Columns the format does not use pass through unchanged. Raises `DataError` for a file that is
-    missing, empty or unreadable and for a missing column; rows that cannot be converted are
-    dropped and counted in the report.
-    """
+) -> OpenedSource:
+    """Load `path` (see `load_records`) and decide how its rows map to records, raising the
+    errors for a bad file, format or column mapping before any row is converted."""
     if format not in FORMATS:
         raise ConfigError(
             f"data.format={format!r} is not a format{did_you_mean(format, FORMATS)}; "
@@ -516,25 +540,51 @@ def load_records(
             # An unpaired file calls its answer column `completion` (mapped to `response`).
             shown = "completion" if fmt == "unpaired" and name == "response" else name
             raise _missing_column_error(shown, source, found, fmt)
+    return OpenedSource(dataset, path, source, row_names, files, fmt, renames)
 
-    convert, consumed = _CONVERTERS[fmt]
-    report = DataReport(source=source, total=len(dataset), format=fmt)
+
+def load_records(
+    path: str,
+    *,
+    format: str = "auto",
+    columns: Mapping[str, str] | None = None,
+    split: str = "train",
+) -> tuple[list[dict], DataReport]:
+    """Load `path` and return its rows as canonical records plus a report of dropped rows.
+
+    `path` is a local file (.json, .jsonl, .json(l).gz, .parquet, .csv), a local folder of such
+    files (split by file name the way `datasets` does: train*, test*/eval*, ...), a built-in
+    dataset name, or a hub dataset name. A single file serves as whichever `split` is asked for;
+    slices such as ``train[:100]`` work everywhere.
+
+    `format` is one of ``auto``, ``conversation``, ``prompt_response``, ``preference``, ``hh``,
+    ``unpaired``. ``auto`` picks, in order: prompt+chosen+rejected -> preference; chosen+rejected
+    holding HH transcripts -> hh (holding message lists -> preference with their shared
+    beginning as the prompt); messages -> conversation; prompt+completion (or response)+label ->
+    unpaired; prompt+response (or completion) -> prompt_response.
+
+    `columns` maps canonical names to the file's names, e.g. ``{"prompt": "question"}``.
+    Columns the format does not use pass through unchanged. Raises `DataError` for a file that is
+    missing, empty or unreadable and for a missing column; rows that cannot be converted are
+    dropped and counted in the report. (Training runs read sources through `data.pipeline`,
+    which converts the same way in batches, into Arrow.)
+    """
+    opened = open_source(path, format=format, columns=columns, split=split)
+    dataset = opened.dataset
+    report = DataReport(source=opened.source, total=len(dataset), format=opened.format)
     records = []
     rows = iter(dataset)
     for index in range(len(dataset)):
         try:
             raw = next(rows)
         except UnicodeDecodeError as err:  # pyarrow keeps bytes unchecked until they are read
-            raise undecodable_text(err, source, row_names(index), files) from None
-        row = {name: raw[column] for name, column in renames.items()}
-        label = row_names(index)
-        try:
-            record = convert(row)
-        except RowRejected as reason:
-            report.drop(str(reason), label)
+            raise undecodable_text(
+                err, opened.source, opened.row_names(index), opened.files
+            ) from None
+        record, reason = opened.convert(raw, index)
+        if record is None:
+            report.drop(reason, opened.row_names(index))
             continue
-        record.update({name: value for name, value in row.items() if name not in consumed})
-        record[SOURCE_ROW] = label
         records.append(record)
     report.kept = len(records)
     return records, report
@@ -610,16 +660,71 @@ def record_kind(record: Mapping[str, Any]) -> str:
     return "conversation"
 
 
-def check_kind(records: Sequence[Mapping[str, Any]], kind: str, *, source: str, task: str) -> None:
-    """Fail once, clearly, when a dataset holds another record kind than the task needs
-    ("conversation", "preference", "unpaired", which also takes preference pairs, or "prompt",
-    which also takes conversations)."""
-    if not records:
-        return
-    found = record_kind(records[0])
+def check_source_kind(found: str, kind: str, *, source: str, task: str) -> None:
+    """Fail once, clearly, when a source holds another record kind (`found`) than the task
+    needs ("conversation", "preference", "unpaired", which also takes preference pairs, or
+    "prompt", which also takes conversations)."""
     if found == kind or found in _ALSO_ACCEPTED.get(kind, ()):
         return
     raise DataError(
         f"task={task} needs {_WANTED[kind]}, but {source} holds {_FOUND[found]}. "
         f"Choose such a dataset with data.path=..."
+    )
+
+
+def check_kind(records: Sequence[Mapping[str, Any]], kind: str, *, source: str, task: str) -> None:
+    """`check_source_kind` for the kind of the first of `records` (none: nothing to check)."""
+    if records:
+        check_source_kind(record_kind(records[0]), kind, source=source, task=task)
+
+
+# Rows named per kind of bad margin in the error message.
+MAX_SHOWN = 5
+
+
+def _margin_problem(value: Any) -> str | None:
+    """What kind of bad margin `value` is, or None for a finite number."""
+    if value is None:
+        return "missing"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return "not a number"
+    if not math.isfinite(value):
+        return "NaN or infinite"
+    return None
+
+
+def check_margins(records: Iterable[Mapping[str, Any]], column: str, source: str) -> None:
+    """Raise one DataError naming the rows (by their place in `source`, from 1) whose
+    `column` is not a finite number. One pass over `records` (a list, or a view that reads
+    them one at a time)."""
+    bad: dict[str, list[str]] = {}  # kind of problem -> row labels
+    example: dict[str, Any] = {}  # kind of problem -> its first value
+    total, with_column, first_keys = 0, False, None
+    for index, record in enumerate(records):
+        total += 1
+        first_keys = first_keys if first_keys is not None else sorted(record)
+        with_column = with_column or column in record
+        kind = _margin_problem(record.get(column))
+        if kind is not None:
+            bad.setdefault(kind, []).append(row_label(record, index))
+            example.setdefault(kind, record.get(column))
+    if not bad:
+        return
+    if not with_column:
+        found = [k for k in first_keys or [] if k != SOURCE_ROW]
+        raise DataError(
+            f"rm.margin_column={column!r}: {source} has no column {column!r}; columns found: "
+            f"{', '.join(found)}. Set rm.margin_column to one of them, or null for no margin"
+        )
+    count = sum(len(rows) for rows in bad.values())
+    parts = [
+        f"{kind}{f' (e.g. {example[kind]!r})' if kind == 'not a number' else ''} in "
+        f"{describe_rows(rows[:MAX_SHOWN])}"
+        + (f", ... ({len(rows)} rows)" if len(rows) > MAX_SHOWN else "")
+        for kind, rows in bad.items()
+    ]
+    raise DataError(
+        f"rm.margin_column={column!r}: {count} of {total} rows of {source} have no finite "
+        f"number there: {'; '.join(parts)} (line and row numbers of the file, from 1). Margins "
+        "must be finite numbers such as 0.5: fix those rows, or set rm.margin_column=null"
     )

@@ -115,12 +115,12 @@ class MediaSupport:
         expanded placeholders into its prompt text. Relative paths are resolved against the
         dataset file's folder and stored absolute. Raises one `DataError` listing unreadable
         media with their row numbers."""
-        base_dir = _base_dir(data_path)
+        base_dir = media_base_dir(data_path)
         problems: list[str] = []
         prepared = []
         for index, record in enumerate(records):
             try:
-                prepared.append(self._prepare_record(record, base_dir))
+                prepared.append(self.prepare_record(record, base_dir))
             except MediaUnreadable as reason:
                 problems.append(f"{row_label(record, index)}: {reason}")
         if problems:
@@ -132,7 +132,9 @@ class MediaSupport:
             )
         return prepared
 
-    def _prepare_record(self, record: dict, base_dir: Path | None) -> dict:
+    def prepare_record(self, record: dict, base_dir: Path | None) -> dict:
+        """One record of `prepare` (raises `MediaUnreadable`); `base_dir`:
+        `media_base_dir` of its data path."""
         record = dict(record)
         expanded: dict[str, list[str]] = {}
         total = 0
@@ -254,7 +256,8 @@ def has_media(records: Sequence[Mapping[str, Any]]) -> bool:
     return any(as_list(r.get(key)) for r in records for key in MEDIA_KEYS)
 
 
-def _base_dir(data_path: str) -> Path | None:
+def media_base_dir(data_path: str) -> Path | None:
+    """The folder relative media paths of `data_path` are read from (None: not local)."""
     path = Path(data_path).expanduser()
     if path.is_dir():
         return path.resolve()

@@ -280,7 +280,8 @@ def _load_file(path: Path, split: str):
     return dataset, [path]
 
 
-def _load_directory(path: Path, split: str):
+def _directory_files(path: Path, split: str) -> tuple[str, list[str]]:
+    """(builder, files) of split `split` of a data folder, or the DataError that says why none."""
     from datasets.data_files import DataFilesDict, get_data_patterns
 
     # `datasets`' own convention assigns files to splits by name (train*, test*, eval*, ...);
@@ -320,10 +321,16 @@ def _load_directory(path: Path, split: str):
             f"data directory {path} mixes file types in split '{base}' ({', '.join(files)}); "
             "keep one type per directory or point data.path at one file"
         )
+    return builders.pop(), files
+
+
+def _load_directory(path: Path, split: str):
+    builder, files = _directory_files(path, split)
     for f in files:
         if Path(f).stat().st_size == 0:
             raise DataError(f"data file {f} is empty (0 bytes)")
-    dataset = _read_files(builders.pop(), {base: files}, split, f"data directory {path}")
+    base = _split_base(split)
+    dataset = _read_files(builder, {base: files}, split, f"data directory {path}")
     return dataset, [Path(f) for f in files]
 
 
@@ -341,16 +348,28 @@ def _load_hub(name: str, split: str):
         ) from exc
 
 
+def _missing_local(path: str, local: Path) -> DataError:
+    parent = local.parent if local.parent.is_dir() else None
+    hint = did_you_mean(local.name, [p.name for p in parent.iterdir()]) if parent else ""
+    where = "" if parent else f" (directory {local.parent} does not exist either)"
+    return DataError(f"data file {local} does not exist{hint}{where}")
+
+
+def _builtin_file(path: str) -> Path | None:
+    builtin = builtin_path(path)
+    if builtin is not None and not builtin.is_file():
+        raise DataError(
+            f"built-in dataset '{path}' should be at {builtin} but the file is missing; "
+            "reinstall align_anything"
+        )
+    return builtin
+
+
 def load_dataset(path: str, split: str):
     """Return (datasets.Dataset, a description of where it came from, `RowNames` for its rows,
     the local files it was read from)."""
-    builtin = builtin_path(path)
+    builtin = _builtin_file(path)
     if builtin is not None:
-        if not builtin.is_file():
-            raise DataError(
-                f"built-in dataset '{path}' should be at {builtin} but the file is missing; "
-                "reinstall align_anything"
-            )
         dataset, files = _load_file(builtin, split)
         return dataset, f"{path} (built-in)", _row_names(files, dataset, split), files
     local = Path(path).expanduser()
@@ -361,12 +380,25 @@ def load_dataset(path: str, split: str):
         dataset, files = _load_file(local, split)
         return dataset, str(local), _row_names(files, dataset, split), files
     if _looks_local(path):
-        parent = local.parent if local.parent.is_dir() else None
-        hint = did_you_mean(local.name, [p.name for p in parent.iterdir()]) if parent else ""
-        where = "" if parent else f" (directory {local.parent} does not exist either)"
-        raise DataError(f"data file {local} does not exist{hint}{where}")
+        raise _missing_local(path, local)
     dataset = _load_hub(path, split)
     return dataset, path, RowNames([], len(dataset)), []
+
+
+def source_files(path: str, split: str) -> list[Path] | None:
+    """The local files `load_dataset(path, split)` reads, without reading them (None for a hub
+    dataset); the same DataError as `load_dataset` for a path that does not exist."""
+    builtin = _builtin_file(path)
+    if builtin is not None:
+        return [builtin]
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return [Path(f) for f in _directory_files(local, split)[1]]
+    if local.is_file():
+        return [local]
+    if _looks_local(path):
+        raise _missing_local(path, local)
+    return None
 
 
 def _row_names(files: list[Path], dataset: Any, split: str, base: Path | None = None) -> RowNames:

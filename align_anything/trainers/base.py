@@ -17,15 +17,17 @@ from typing import Any, ClassVar
 
 import torch
 
-from align_anything import atomic, forward, plan
+from align_anything import atomic, errors, forward, plan
 from align_anything.backend import distributed as comm
 from align_anything.backend import ds_config as dsc
 from align_anything.backend import memory, universal
 from align_anything.backend.engine import Engine
 from align_anything.backend.zero_init import model_init_context
 from align_anything.config import AUTO_PRESET, RunConfig
-from align_anything.data import DataReport, splits
+from align_anything.data import DataReport, cache, pipeline, splits
+from align_anything.data.encode import Encoding
 from align_anything.data.multimodal import MediaSupport
+from align_anything.data.rows import EncodedRows
 from align_anything.errors import (
     Preempted,
     UserError,
@@ -74,8 +76,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ hooks for subclasses
 
+    def encoding(self) -> Encoding | None:
+        """How the task encodes records, for the cached Arrow path (`data.pipeline`); None
+        for a trainer that encodes Python lists in `encode` instead (no cache)."""
+        return None
+
     def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
+        """The list path's encoding (only for a trainer whose `encoding` is None)."""
         raise NotImplementedError
+
+    def prepare_rows(self, rows: EncodedRows, split: str) -> None:
+        """Work on a split's opened rows that the cache does not hold (it depends on more than
+        the key: RM's pad token choice, KTO's notes and KL partners). Runs on every rank."""
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -197,8 +209,105 @@ class Trainer:
 
     def _build_data(self) -> None:
         """Load, check, split and encode the data (before any weights: a bad dataset fails in
-        seconds, not after a model load)."""
+        seconds, not after a model load): into the on-disk Arrow cache (`data.cache`), built by
+        local rank 0 of each node while the other ranks wait, then opened by every rank."""
+        encoding = self.encoding()
+        if encoding is None:
+            self._build_data_from_lists()
+            return
         cfg = self.cfg.data
+        spec = self._data_spec(encoding)
+        root = cache.cache_root(cfg.cache_dir)
+        # Rank 0 reads and hashes the files once; every rank gets the key (or the error).
+        parts = comm.decide_on_main(
+            lambda: cache.key_parts(spec, tokenizer=self.tokenizer, media=self.media)
+        )
+        folder = cache.folder_for(root, spec, parts)
+        note = self._ensure_cache(spec, parts, root)
+        prepared = cache.open_prepared(folder, note=note or "")
+        self.data_reports = prepared.reports
+        self.summary_lines.append(f"  data cache      {prepared.note}")
+        self.summary_lines += [f"  data mix        {line}" for line in prepared.mixture]
+        self.train_rows, self.eval_rows = prepared.train, prepared.eval
+        self.eval_records = prepared.eval_records
+        if not len(self.train_rows):
+            raise UserError(
+                f"no usable training rows in {pipeline.describe_sources(spec.train)}:\n"
+                + "\n".join(r.summary() for r in self.data_reports)
+            )
+        self.prepare_rows(self.train_rows, "train")
+        self.prepare_rows(self.eval_rows, "eval")
+        self._row_lengths = self.train_rows.lengths()
+        self.fingerprints = checkpoints.fingerprints(
+            pipeline.describe_sources(spec.train), tokenizer=parts["tokenizer"],
+            data=cache.data_fingerprint(parts),
+        )  # fmt: skip
+
+    def _data_spec(self, encoding: Encoding) -> pipeline.Spec:
+        cfg = self.cfg.data
+
+        def sources(value: Any) -> tuple[pipeline.Source, ...]:
+            if value is None:
+                return ()
+            if isinstance(value, str):
+                return (pipeline.Source(value, cfg.format, dict(cfg.columns)),)
+            return tuple(
+                pipeline.Source(
+                    s.path,
+                    s.format or cfg.format,
+                    dict(s.columns if s.columns is not None else cfg.columns),
+                    s.weight,
+                    s.rows,
+                )  # fmt: skip
+                for s in value
+            )
+
+        return pipeline.Spec(
+            train=sources(cfg.path), eval=sources(cfg.eval_path), eval_fraction=cfg.eval_fraction,
+            seed=self.cfg.train.seed, max_train=cfg.max_train_samples,
+            max_eval=cfg.max_eval_samples, task=self.task, kind=self.record_kind,
+            encoding=encoding, max_length=cfg.max_length, truncation=cfg.truncation,
+        )  # fmt: skip
+
+    def _ensure_cache(self, spec: pipeline.Spec, parts: dict[str, Any], root: Path) -> str | None:
+        """Local rank 0 builds or checks the cache entry; every rank then learns whether that
+        worked (a data error is every rank's error, before any of them loads weights)."""
+        note, failure = None, None
+        if self.dist.local_rank == 0:
+            num_proc = pipeline.auto_num_proc(self.cfg.data.num_proc)
+
+            def started(rows: int) -> None:
+                # Only a process that tokenises prints this (tests read it: rank 1 never does).
+                print(f"data: rank {self.dist.rank} tokenising {rows} rows "
+                      f"(data.num_proc={num_proc})", flush=True)  # fmt: skip
+
+            try:
+                note = cache.ensure(
+                    spec, parts, root=root, tokenizer=self.tokenizer, media=self.media,
+                    model_name=self.cfg.model.name_or_path, num_proc=num_proc, on_start=started,
+                )  # fmt: skip
+            except UserError as err:
+                failure = (type(err).__name__, str(err))
+            except BaseException:
+                comm.all_gather_objects(("crash", f"rank {self.dist.rank} failed"))
+                raise
+        for outcome in comm.all_gather_objects(failure):
+            if outcome is not None:
+                kind, message = outcome
+                if kind == "crash":
+                    raise UserError(f"data preparation failed on another rank ({message})")
+                raise getattr(errors, kind, UserError)(message)
+        return note
+
+    def _build_data_from_lists(self) -> None:
+        """The list path, for a trainer without an `encoding` (its `encode` hook): records and
+        rows as Python lists, no cache."""
+        cfg = self.cfg.data
+        if not isinstance(cfg.path, str) or not isinstance(cfg.eval_path, str | None):
+            raise UserError(
+                f"task={self.task} reads one data source (its trainer encodes Python lists); "
+                "give data.path and data.eval_path as a single path, not a list"
+            )
         train, self.eval_records, found = splits.train_and_eval(
             cfg.path, cfg.eval_path, eval_fraction=cfg.eval_fraction, seed=self.cfg.train.seed,
             max_train=cfg.max_train_samples, max_eval=cfg.max_eval_samples, fmt=cfg.format,
@@ -215,7 +324,10 @@ class Trainer:
             )
         self._row_lengths = [row_tokens(row) for row in self.train_rows]
         # Hashed now, as encoded: trainers may add to the rows later (DPO reference log-probs).
-        self.fingerprints = checkpoints.fingerprints(self.tokenizer, self.train_rows, cfg.path)
+        self.fingerprints = checkpoints.fingerprints(
+            str(cfg.path), tokenizer=cache.tokenizer_fingerprint(self.tokenizer),
+            data=checkpoints.rows_fingerprint(self.train_rows),
+        )  # fmt: skip
 
     def _encode(self, records: list[dict], split: str) -> list[dict]:
         rows, found = self.encode(records, split=split)

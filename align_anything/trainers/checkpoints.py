@@ -221,21 +221,20 @@ def _hash_array(value: Any) -> str:
     return hashlib.sha256(array.tobytes()).hexdigest()
 
 
-def fingerprints(tokenizer: Any, rows: list[dict], data_path: str) -> dict[str, str]:
-    """Hashes that tell whether a resumed run trains on what the checkpoint saw: the tokenizer
-    (vocabulary, special tokens, chat template) and the encoded training rows."""
-    vocab = hashlib.sha256()
-    vocab.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    vocab.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True).encode())
-    vocab.update(str(getattr(tokenizer, "chat_template", None)).encode())
+def rows_fingerprint(rows: list[dict]) -> str:
+    """A hash of encoded rows held as Python lists (the list path; the cached path's
+    fingerprint is `data.cache.data_fingerprint`)."""
     data = hashlib.sha256()
     for row in rows:
         data.update(json.dumps(row, sort_keys=True, default=_hash_array).encode())
-    return {
-        "data_path": data_path,
-        "tokenizer_fingerprint": vocab.hexdigest()[:16],
-        "data_fingerprint": data.hexdigest()[:16],
-    }
+    return data.hexdigest()[:16]
+
+
+def fingerprints(data_path: str, *, tokenizer: str, data: str) -> dict[str, str]:
+    """What `trainer_state.json` records so a resumed run can tell whether it trains on what
+    the checkpoint saw: the data path, the tokenizer's fingerprint (vocabulary, special tokens,
+    chat template) and the training data's (the cache key of its inputs and encoding)."""
+    return {"data_path": data_path, "tokenizer_fingerprint": tokenizer, "data_fingerprint": data}
 
 
 def check_resume(

@@ -14,12 +14,14 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from align_anything.backend import distributed as comm
 from align_anything.backend.engine import InferenceEngine
 from align_anything.backend.zero_init import model_init_context
-from align_anything.data import DataReport, collate_preference, encode_preference
+from align_anything.data import collate_preference
+from align_anything.data.encode import Encoding
 from align_anything.data.layouts import collate_shared_prompt, mask_dtype, supports_shared_prompt
 from align_anything.forward import completion_forward, shared_prefix_logps
 from align_anything.losses import dpo_loss, needs_reference
@@ -37,13 +39,8 @@ class DPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ data
 
-    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
-        return encode_preference(
-            records,
-            self.tokenizer,
-            max_length=self.cfg.data.max_length,
-            truncation=self.cfg.data.truncation,
-        )
+    def encoding(self) -> Encoding:
+        return Encoding("preference")
 
     def collate(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         if self.share_prompt:
@@ -181,10 +178,15 @@ class DPOTrainer(Trainer):
                 if chunk is not None:
                     for key, c, r in zip(keys, chosen.tolist(), rejected.tolist(), strict=True):
                         results[key] = (c, r)
+        values = {"train": np.full((len(self.train_rows), 2), np.nan),
+                  "eval": np.full((len(self.eval_rows), 2), np.nan)}  # fmt: skip
         for part in comm.all_gather_objects(results):
-            for (split, i), (c, r) in part.items():
-                row = self._row(split, i)
-                row["ref_chosen_logps"], row["ref_rejected_logps"] = c, r
+            for (split, i), pair in part.items():
+                values[split][i] = pair
+        # Rows the planned steps never use keep NaN (no batch ever holds them).
+        for split, rows in (("train", self.train_rows), ("eval", self.eval_rows)):
+            for k, key in enumerate(REF_KEYS):
+                rows.set_column(key, values[split][:, k])
 
     def _row(self, split: str, index: int) -> dict:
         return (self.train_rows if split == "train" else self.eval_rows)[index]

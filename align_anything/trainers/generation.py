@@ -5,7 +5,7 @@ trainers (DPO, KTO) run it before and after training, where the held-out data de
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,9 +28,9 @@ PROPERTY_CHECKS: dict[str, Callable[[dict, str], bool]] = {
 CHUNK = 16
 
 
-def property_check(data_path: str) -> Callable[[dict, str], bool] | None:
-    """The generation check of a built-in dataset, or None for other data."""
-    return PROPERTY_CHECKS.get(data_path)
+def property_check(data_path: Any) -> Callable[[dict, str], bool] | None:
+    """The generation check of a built-in dataset, or None for other data (and mixtures)."""
+    return PROPERTY_CHECKS.get(data_path) if isinstance(data_path, str) else None
 
 
 def held_out_check(trainer: Trainer, *, samples: int, max_new_tokens: int) -> dict[str, float]:

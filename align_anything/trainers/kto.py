@@ -45,14 +45,15 @@ from typing import Any, ClassVar
 import torch
 
 from align_anything.backend import distributed as comm
-from align_anything.data import IGNORE_INDEX, DataReport, collate_unpaired, encode_unpaired
-from align_anything.data.formats import unpair
+from align_anything.data import IGNORE_INDEX, collate_unpaired
+from align_anything.data.encode import Encoding
 from align_anything.data.layouts import (
     collate_shared_prompt,
     collate_shared_sft,
     mask_dtype,
     supports_shared_prompt,
 )
+from align_anything.data.rows import EncodedRows
 from align_anything.errors import ConfigError, UserError
 from align_anything.forward import completion_forward, shared_prefix_logps
 from align_anything.losses import kto_kl_reference, kto_loss
@@ -195,27 +196,26 @@ class KTOTrainer(Trainer):
                 "image-text or audio-text model. Use task=dpo for multimodal preference data"
             )
 
-    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
+    def encoding(self) -> Encoding:
+        # Preference pairs become a desirable and an undesirable row each (formats.unpair).
+        return Encoding("unpaired", unpair=True)
+
+    def prepare_rows(self, rows: EncodedRows, split: str) -> None:
         max_length = self.cfg.data.max_length
-        rows, found = encode_unpaired(
-            unpair(records), self.tokenizer, max_length=max_length,
-            truncation=self.cfg.data.truncation,
-        )  # fmt: skip
         if split == "eval":
-            # The held-out rows are one batch for the KL estimate (see the module docstring).
-            partners = rotated_partners(list(range(len(rows))))
-            rows = [
-                {**row, "kl_ids": kl_completion(row, rows[partners[k]], max_length=max_length)}
-                for k, row in enumerate(rows)
-            ]
-        else:
-            desirable = sum(bool(row["label"]) for row in rows)
-            cfg = self.cfg.kto
-            self.summary_lines += balance_note(
-                desirable, len(rows) - desirable, desirable_weight=cfg.desirable_weight,
-                undesirable_weight=cfg.undesirable_weight,
-            )  # fmt: skip
-        return rows, found
+            # The held-out rows are one batch for the KL estimate (see the module docstring):
+            # row k's prompt with row k - 1's completion, the first with the last.
+            n = len(rows)
+            rows.derive(lambda k, row: {
+                "kl_ids": kl_completion(row, rows.plain((k - 1) % n), max_length=max_length)
+            })  # fmt: skip
+            return
+        desirable = int(rows.column("label").sum())
+        cfg = self.cfg.kto
+        self.summary_lines += balance_note(
+            desirable, len(rows) - desirable, desirable_weight=cfg.desirable_weight,
+            undesirable_weight=cfg.undesirable_weight,
+        )  # fmt: skip
 
     def _plan_steps(self) -> None:
         super()._plan_steps()
@@ -277,8 +277,9 @@ class KTOTrainer(Trainer):
             start = time.perf_counter()
             self.reference_logps = self._precompute_reference()
             seconds = self.reference_seconds = time.perf_counter() - start
-            for i, row in enumerate(self.eval_rows):
-                row["ref_logps"], row["ref_kl_logps"] = self.reference_logps[("eval", i)]
+            held_out = [self.reference_logps[("eval", i)] for i in range(len(self.eval_rows))]
+            for k, key in enumerate(REF_KEYS):
+                self.eval_rows.set_column(key, [pair[k] for pair in held_out])
             self.reference.release()
             self.reference = None
         self.summary_lines += [

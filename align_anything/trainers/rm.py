@@ -9,105 +9,49 @@ the pad id (checked here; another special token is chosen as pad when one would)
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
-from align_anything.data import DataReport, collate_preference, encode_preference
-from align_anything.data.formats import SOURCE_ROW, describe_rows, row_label
+from align_anything.data import collate_preference
+from align_anything.data.encode import Encoding
+from align_anything.data.rows import EncodedRows
 from align_anything.errors import DataError
 from align_anything.forward import sequence_scores
 from align_anything.losses import reward_loss
 from align_anything.trainers.base import Trainer
 
-# Rows named per kind of bad margin in the error message.
-MAX_SHOWN = 5
 
-
-def _margin_problem(value: Any) -> str | None:
-    """What kind of bad margin `value` is, or None for a finite number."""
-    if value is None:
-        return "missing"
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return "not a number"
-    if not math.isfinite(value):
-        return "NaN or infinite"
-    return None
-
-
-def check_margins(records: list[dict], column: str, source: str) -> None:
-    """Raise one DataError naming the rows (by their place in `source`, from 1) whose
-    `column` is not a finite number."""
-    bad: dict[str, list[str]] = {}  # kind of problem -> row labels
-    example: dict[str, Any] = {}  # kind of problem -> its first value
-    for index, record in enumerate(records):
-        kind = _margin_problem(record.get(column))
-        if kind is not None:
-            bad.setdefault(kind, []).append(row_label(record, index))
-            example.setdefault(kind, record.get(column))
-    if not bad:
-        return
-    if all(column not in record for record in records):
-        found = sorted(k for k in records[0] if k != SOURCE_ROW)
-        raise DataError(
-            f"rm.margin_column={column!r}: {source} has no column {column!r}; columns found: "
-            f"{', '.join(found)}. Set rm.margin_column to one of them, or null for no margin"
-        )
-    count = sum(len(rows) for rows in bad.values())
-    parts = [
-        f"{kind}{f' (e.g. {example[kind]!r})' if kind == 'not a number' else ''} in "
-        f"{describe_rows(rows[:MAX_SHOWN])}"
-        + (f", ... ({len(rows)} rows)" if len(rows) > MAX_SHOWN else "")
-        for kind, rows in bad.items()
-    ]
-    raise DataError(
-        f"rm.margin_column={column!r}: {count} of {len(records)} rows of {source} have no finite "
-        f"number there: {'; '.join(parts)} (line and row numbers of the file, from 1). Margins "
-        "must be finite numbers such as 0.5: fix those rows, or set rm.margin_column=null"
-    )
-
-
-def _ends_with(rows: list[dict], token_id: int) -> bool:
-    return any(
-        (row["prompt_ids"] + row[key])[-1] == token_id
-        for row in rows
-        for key in ("chosen_ids", "rejected_ids")
-    )
+def ending_ids(rows: EncodedRows) -> set[int]:
+    """The last token of every sequence the rows make (prompt + chosen, prompt + rejected)."""
+    prompt_last = rows.last_ids("prompt_ids")
+    ends: set[int] = set()
+    for key in ("chosen_ids", "rejected_ids"):
+        last = rows.last_ids(key)
+        ends.update(np.unique(np.where(last >= 0, last, prompt_last)).tolist())
+    return ends
 
 
 class RMTrainer(Trainer):
     task: ClassVar[str] = "rm"
     record_kind: ClassVar[str] = "preference"
 
-    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
-        column = self.cfg.rm.margin_column
-        if column:
-            data = self.cfg.data
-            source = data.eval_path if split == "eval" and data.eval_path else data.path
-            check_margins(records, column, source)
-            records = [{**r, "margin": float(r[column])} for r in records]
-        rows, report = encode_preference(
-            records,
-            self.tokenizer,
-            max_length=self.cfg.data.max_length,
-            truncation=self.cfg.data.truncation,
-        )
-        if not column:
-            for row in rows:
-                row.pop("margin", None)
-        self._choose_pad_id(rows)
-        return rows, report
+    def encoding(self) -> Encoding:
+        return Encoding("preference", margin_column=self.cfg.rm.margin_column or None)
 
-    def _choose_pad_id(self, rows: list[dict]) -> None:
+    def prepare_rows(self, rows: EncodedRows, split: str) -> None:
+        self._choose_pad_id(rows)
+
+    def _choose_pad_id(self, rows: EncodedRows) -> None:
         """Make sure no sequence ends with the pad id (transformers would then read the score
         one token early)."""
         pad_id = self.tokenizer.pad_token_id
-        if not _ends_with(rows, pad_id):
+        ends = ending_ids(rows) if len(rows) else set()
+        if pad_id not in ends:
             return
         for candidate in self.tokenizer.all_special_ids:
-            if not _ends_with(rows, candidate):
+            if candidate not in ends:
                 self.tokenizer.pad_token = self.tokenizer.convert_ids_to_tokens(candidate)
                 return
         raise DataError(

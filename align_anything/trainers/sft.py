@@ -13,7 +13,8 @@ from typing import ClassVar
 
 import torch
 
-from align_anything.data import IGNORE_INDEX, DataReport, collate_sft, encode_sft
+from align_anything.data import IGNORE_INDEX, collate_sft
+from align_anything.data.encode import Encoding
 from align_anything.data.layouts import (
     DENSE_MASK_ATTENTION,
     collate_shared_sft,
@@ -39,16 +40,8 @@ class SFTTrainer(Trainer):
     record_kind: ClassVar[str] = "conversation"
     count_unit: ClassVar[str] = "tokens"
 
-    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
-        rows, report = encode_sft(
-            records,
-            self.tokenizer,
-            max_length=self.cfg.data.max_length,
-            truncation=self.cfg.data.truncation,
-        )
-        if not self.cfg.sft.assistant_only_loss:
-            rows = [{**row, "labels": list(row["input_ids"])} for row in rows]
-        return rows, report
+    def encoding(self) -> Encoding:
+        return Encoding("sft", all_labels=not self.cfg.sft.assistant_only_loss)
 
     def _build_data(self) -> None:
         super()._build_data()

@@ -1,0 +1,280 @@
+"""The on-disk cache of a run's prepared data: tokenised once, read by every rank and every
+later start or resume with the same inputs.
+
+- **Key.** A hash of everything the encoded rows depend on (`key_parts`): each source's path,
+  format, columns and share with the size and xxh3-128 digest of each of its files (a hub
+  dataset: `datasets`' fingerprint of it), the held-out split and the caps, the seed where it
+  chooses rows, the task's `Encoding`, `max_length`, `truncation`, the tokenizer (vocabulary,
+  special tokens, chat template) and `ENCODER_VERSION`, raised whenever the encoding of the
+  same inputs changes. The folder is `<cache root>/<task>-<key>`.
+- **Written atomically.** Built in a temporary sibling, its manifest (every file with its size
+  and xxh3-64 digest, each split's row count, the reports) written last, then published by
+  `atomic.publish`. A folder whose manifest is missing, or whose files do not match it (half
+  written, truncated, changed), is not opened but rebuilt (`verify`).
+- **Every rank reads the same files.** `datasets.load_from_disk` memory-maps them: the pages
+  are the page cache's, shared by the ranks of a node.
+
+Runs whose model takes images or audio rebuild at every start: the key does not cover the media
+files themselves, and their checks (`MediaSupport`) must see the files as they are now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from align_anything import atomic
+from align_anything.data import pipeline
+from align_anything.data.formats import DataReport
+from align_anything.data.rows import EncodedRows, RecordsView
+from align_anything.data.sources import source_files
+
+# Raise when the same inputs would encode to other rows (it is part of every key).
+ENCODER_VERSION = 1
+CACHE_FORMAT = 1
+MANIFEST = "manifest.json"
+SPLITS = ("train", "eval", "eval_records")
+_CHUNK = 8 << 20
+
+
+def cache_root(setting: str | None) -> Path:
+    """`data.cache_dir`, or `data/` under the project cache (`ALIGN_ANYTHING_CACHE`, else
+    ~/.cache/align_anything)."""
+    if setting:
+        return Path(setting).expanduser()
+    root = os.environ.get("ALIGN_ANYTHING_CACHE") or Path.home() / ".cache" / "align_anything"
+    return Path(root) / "data"
+
+
+def _digest(path: Path, algorithm: Any = xxhash.xxh3_64) -> str:
+    digest = algorithm()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of what turns text into ids: vocabulary, special tokens and chat template."""
+    vocab = hashlib.sha256()
+    vocab.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    vocab.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True).encode())
+    vocab.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return vocab.hexdigest()[:16]
+
+
+def _source_part(source: pipeline.Source) -> dict[str, Any]:
+    files = source_files(source.path, "train")
+    if files is None:  # a hub dataset: `datasets` fingerprints its own download
+        from align_anything.data.sources import load_dataset
+
+        content: Any = f"hub:{load_dataset(source.path, 'train')[0]._fingerprint}"
+    else:
+        content = [[str(f.resolve()), f.stat().st_size, _digest(f, xxhash.xxh3_128)] for f in files]
+    return {**dataclasses.asdict(source), "content": content}
+
+
+def _source_parts(sources: tuple[pipeline.Source, ...], split: str) -> list[dict[str, Any]]:
+    parts = []
+    for k, source in enumerate(sources):
+        with pipeline.naming_source(split, k, len(sources)):
+            parts.append(_source_part(source))
+    return parts
+
+
+def key_parts(spec: pipeline.Spec, *, tokenizer: Any, media: Any) -> dict[str, Any]:
+    """Everything the prepared data depends on (see the module docstring)."""
+    parts = {
+        "encoder_version": ENCODER_VERSION,
+        "task": spec.task,
+        "train": _source_parts(spec.train, "data.path"),
+        "eval": _source_parts(spec.eval, "data.eval_path"),
+        "eval_fraction": 0.0 if spec.eval else spec.eval_fraction,
+        "seed": spec.seed if spec.seeded else None,
+        "max_train": spec.max_train,
+        "max_eval": spec.max_eval,
+        "encoding": dataclasses.asdict(spec.encoding),
+        "max_length": spec.max_length,
+        "truncation": spec.truncation,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+    if media is not None:
+        parts["processor"] = type(media.processor).__name__
+    return parts
+
+
+def _hash(parts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def data_fingerprint(parts: dict[str, Any]) -> str:
+    """The training rows' fingerprint that resume checks compare: the key without what only
+    the held-out rows depend on."""
+    return _hash({k: v for k, v in parts.items() if k != "max_eval"})[:16]
+
+
+@dataclass
+class Prepared:
+    """A run's data, opened from the cache: views on the mapped files and what the start-up
+    summary says about them."""
+
+    folder: Path
+    train: EncodedRows
+    eval: EncodedRows
+    eval_records: RecordsView
+    reports: list[DataReport]
+    mixture: list[str]
+    note: str  # "tokenised N rows in S s (cached at ...)" or "cache hit ..."
+
+
+def verify(folder: Path) -> str | None:
+    """Why `folder` is not a complete cache entry (None when it is): the manifest must parse
+    and every file it lists must exist with its size and digest."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest (never finished)" if folder.exists() else "not built yet"
+    except (OSError, ValueError) as err:
+        return f"{MANIFEST} cannot be read ({err})"
+    files = manifest.get("files")
+    if manifest.get("format") != CACHE_FORMAT or not isinstance(files, dict):
+        return f"{MANIFEST} is not a format-{CACHE_FORMAT} manifest"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["size"]:
+            return f"{name} is {path.stat().st_size} bytes, the manifest says {expected['size']}"
+    for name, expected in files.items():  # sizes first: a missing file is found without reading
+        if _digest(folder / name) != expected["xxh3_64"]:
+            return f"{name} does not match its checksum (changed after it was written)"
+    return None
+
+
+def _write_manifest(folder: Path, **fields: Any) -> None:
+    files = {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "xxh3_64": _digest(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    manifest = {"format": CACHE_FORMAT, **fields, "files": files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+EMPTY = "features.json"  # the schema of a split without rows
+
+
+def _save(dataset: Any, folder: Path) -> None:
+    if not len(dataset):  # `datasets` 5 saves no rows in a form `load_from_disk` can read back
+        folder.mkdir()
+        (folder / EMPTY).write_text(json.dumps(dataset.features.to_dict()))
+        return
+    dataset.save_to_disk(str(folder))
+
+
+def _load(folder: Path) -> Any:
+    import datasets
+
+    if (folder / EMPTY).is_file():
+        features = datasets.Features.from_dict(json.loads((folder / EMPTY).read_text()))
+        return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+    return datasets.load_from_disk(str(folder))
+
+
+def _remove_abandoned(root: Path, prefix: str) -> None:
+    """Remove temporary folders that a killed build on this host left (its process is gone)."""
+    for path in root.glob(f"{prefix}*"):
+        pid = path.name[len(prefix) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
+
+
+def folder_for(root: Path, spec: pipeline.Spec, parts: dict[str, Any]) -> Path:
+    return root / f"{spec.task}-{_hash(parts)}"
+
+
+def ensure(
+    spec: pipeline.Spec, parts: dict[str, Any], *, root: Path, tokenizer: Any, media: Any,
+    model_name: str, num_proc: int, on_start: Any = None,
+) -> str:  # fmt: skip
+    """Make sure the cache entry of `spec` exists and is complete, building it when it is
+    missing or damaged (or always, for media); returns the start-up summary's note. Called by
+    one process per node while the others wait; two builders of one entry (two runs at once)
+    each build into their own temporary folder, and the second keeps the first's."""
+    folder = folder_for(root, spec, parts)
+    problem = verify(folder)
+    if problem is None and media is None:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        return (
+            f"cache hit {folder} (tokenised {manifest['tokenised']} rows in "
+            f"{manifest['seconds']:.1f} s when built; no tokenisation now)"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    host = os.uname().nodename
+    _remove_abandoned(root, f".tmp-{folder.name}-{host}-")
+    tmp = root / f".tmp-{folder.name}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    work = tmp / "work"
+    work.mkdir(parents=True)
+    start = time.perf_counter()
+    try:
+        built = pipeline.build(
+            spec, tokenizer=tokenizer, media=media, model_name=model_name, work=work,
+            num_proc=num_proc, on_start=on_start,
+        )  # fmt: skip
+        for name in SPLITS:
+            _save(getattr(built, name), tmp / name)
+        shutil.rmtree(work)
+        seconds = time.perf_counter() - start
+        _write_manifest(
+            tmp, key=folder.name, parts=parts, rows={n: len(getattr(built, n)) for n in SPLITS},
+            reports=[dataclasses.asdict(r) for r in built.reports], mixture=built.mixture,
+            tokenised=built.tokenised, seconds=seconds, num_proc=num_proc,
+            built_by={"pid": os.getpid(), "host": os.uname().nodename,
+                      "rank": os.environ.get("RANK", "0")},
+        )  # fmt: skip
+        if media is None and verify(folder) is None:  # another run published it meanwhile
+            shutil.rmtree(tmp)
+        else:
+            atomic.publish(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    rebuilt = "" if problem in ("not built yet",) or media is not None else f"; rebuilt: {problem}"
+    why = "; rebuilt at every start: the data holds media" if media is not None else rebuilt
+    return f"tokenised {built.tokenised} rows in {seconds:.1f} s (cached at {folder}{why})"
+
+
+def open_prepared(folder: Path, *, note: str) -> Prepared:
+    """The cache entry in `folder` (complete: `ensure` ran), memory-mapped."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    splits = {}
+    for name in SPLITS:
+        dataset = _load(folder / name)
+        if len(dataset) != manifest["rows"][name]:
+            raise RuntimeError(
+                f"{folder / name} holds {len(dataset)} rows, its manifest says "
+                f"{manifest['rows'][name]}: delete {folder} and start again"
+            )
+        splits[name] = dataset
+    return Prepared(
+        folder=folder, train=EncodedRows(splits["train"]), eval=EncodedRows(splits["eval"]),
+        eval_records=RecordsView(splits["eval_records"]),
+        reports=[DataReport(**r) for r in manifest["reports"]], mixture=manifest["mixture"],
+        note=note,
+    )  # fmt: skip

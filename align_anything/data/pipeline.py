@@ -1,0 +1,451 @@
+"""A run's data in Arrow: sources read and converted to records, mixed, split, capped and
+encoded with batched `datasets.map` (`num_proc` worker processes), so no stage holds every row
+as Python objects. `data.cache` stores the result on disk, keyed by everything it depends on.
+
+Stages, in order, each the same as the list functions of `formats` / `encode` (the numbers of a
+run do not change with this path):
+
+1. every source opened (`formats.open_source`: file, format and columns checked) and its kind
+   checked against the task's, all before any row is converted;
+2. each source's rows converted to records (JSON text in an Arrow column; media checked and
+   their placeholders written in), dropped rows counted with their row numbers;
+3. a mixture (several sources) takes each source's rows, a row count or a weighted share,
+   seeded by `train.seed`;
+4. the held-out split (`formats.split_records`' seeded choice, or the eval sources), then
+   `data.max_train_samples` / `max_eval_samples`: before any tokenisation;
+5. KTO's preference pairs split into unpaired rows (`formats.unpair`'s order);
+6. the encoding (`encode.encode_batch`), dropped rows counted with their row numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from align_anything.data.encode import (
+    ENCODED_COLUMNS,
+    ENCODER_NAMES,
+    Encoding,
+    check_encoding_arguments,
+    encode_batch,
+)
+from align_anything.data.formats import (
+    SOURCE_ROW,
+    DataReport,
+    OpenedSource,
+    check_margins,
+    check_source_kind,
+    open_source,
+    split_records,
+)
+from align_anything.data.jsonrow import dumps, loads
+from align_anything.data.media import MEDIA_KEYS, MediaUnreadable, as_list
+from align_anything.data.rows import RecordsView
+from align_anything.data.sources import undecodable_text
+from align_anything.errors import DataError, UserError
+
+# Rows per worker process below which `datasets.map` runs in this process: starting a worker
+# costs about a second, more than tokenising a small file.
+MIN_ROWS_PER_PROCESS = 2000
+# The most worker processes `data.num_proc: null` starts (tokenising scales about linearly to
+# here; beyond it, memory and start-up cost more than they save on a shared node).
+AUTO_NUM_PROC_CAP = 8
+
+
+@dataclass(frozen=True)
+class Source:
+    """One entry of `data.path` / `data.eval_path`: a path with its format and columns, and
+    how much of it the mixture takes (all rows, `rows` rows, or a `weight`ed share)."""
+
+    path: str
+    format: str
+    columns: dict[str, str]
+    weight: float | None = None
+    rows: int | None = None
+
+    def describe(self) -> str:
+        amount = (
+            f", rows={self.rows}" if self.rows is not None
+            else f", weight={self.weight:g}" if self.weight is not None else ""
+        )  # fmt: skip
+        return f"{self.path}{amount}"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything the prepared data depends on besides the tokenizer: sources, split, caps."""
+
+    train: tuple[Source, ...]
+    eval: tuple[Source, ...]
+    eval_fraction: float
+    seed: int
+    max_train: int | None
+    max_eval: int | None
+    task: str
+    kind: str  # the record kind the task consumes
+    encoding: Encoding
+    max_length: int
+    truncation: str
+
+    @property
+    def seeded(self) -> bool:
+        """Whether `seed` changes the rows: a seeded held-out split or a sampled mixture."""
+        sampled = any(s.weight is not None or s.rows is not None for s in self.train + self.eval)
+        return sampled or (not self.eval and self.eval_fraction > 0)
+
+
+def describe_sources(sources: Sequence[Source]) -> str:
+    """`data.path` as messages name it: the path, or the mixture's paths and shares."""
+    if len(sources) == 1 and sources[0].weight is None and sources[0].rows is None:
+        return sources[0].path
+    return " + ".join(s.describe() for s in sources)
+
+
+def auto_num_proc(setting: int | None) -> int:
+    """`data.num_proc`, or for null the CPU count this process may use, at most
+    `AUTO_NUM_PROC_CAP`."""
+    if setting is not None:
+        return setting
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, AUTO_NUM_PROC_CAP))
+
+
+def _processes(rows: int, num_proc: int) -> int | None:
+    procs = min(num_proc, rows // MIN_ROWS_PER_PROCESS)
+    return procs if procs > 1 else None
+
+
+@dataclass
+class Built:
+    """What `build` made: the encoded splits, the held-out records (for the generation check),
+    the reports the start-up summary prints, and the mixture's lines."""
+
+    train: Any  # datasets.Dataset
+    eval: Any
+    eval_records: Any
+    reports: list[DataReport]
+    mixture: list[str]
+    tokenised: int  # rows put through the tokenizer
+
+
+def drop_report(source: str, total: int, drops: Any, labels: Any, *, fmt: str = "") -> tuple[
+    DataReport, np.ndarray]:  # fmt: skip
+    """The report of a stage from its `_drop` column (a reason or null per row) and its row
+    labels, and the indices of the kept rows. Only dropped rows become Python objects."""
+    import pyarrow.compute as pc
+
+    dropped = pc.is_valid(drops).to_numpy(zero_copy_only=False)
+    report = DataReport(source=source, total=total, format=fmt)
+    where = np.flatnonzero(dropped)
+    if len(where):
+        reasons = drops.take(where).to_pylist()
+        names = labels.take(where).to_pylist()
+        for reason, name in zip(reasons, names, strict=True):
+            report.drop(reason, name)
+    kept = np.flatnonzero(~dropped)
+    report.kept = len(kept)
+    return report, kept
+
+
+# ----------------------------------------------------------------- stage 2: records
+
+
+def _convert_batch(batch: dict[str, list], indices: list[int], *, opened: OpenedSource,
+                   media: Any, base_dir: Path | None) -> dict[str, list]:  # fmt: skip
+    out: dict[str, list] = {"record": [], SOURCE_ROW: [], "_drop": [], "_problem": [],
+                            "_media": []}  # fmt: skip
+    columns = list(batch)
+    for k, index in enumerate(indices):
+        record, reason = opened.convert({c: batch[c][k] for c in columns}, index)
+        label = opened.row_names(index)
+        problem, has_media = None, False
+        if record is not None:
+            has_media = any(as_list(record.get(key)) for key in MEDIA_KEYS)
+            if media is not None:
+                try:
+                    record = media.prepare_record(record, base_dir)
+                except MediaUnreadable as err:
+                    problem = f"{label}: {err}"
+        out["record"].append(dumps(record) if record is not None else None)
+        out[SOURCE_ROW].append(label)
+        out["_drop"].append(reason)
+        out["_problem"].append(problem)
+        out["_media"].append(has_media)
+    return out
+
+
+def _map(dataset: Any, function: Any, *, work: Path, name: str, num_proc: int,
+         opened: OpenedSource | None = None, **kwargs: Any) -> Any:  # fmt: skip
+    """`dataset.map(function, batched=True)`, its files under `work` (never the `datasets`
+    cache: the build folder is removed or published as a whole), no fingerprint hashing of the
+    function (the cache key already says what the rows depend on)."""
+    try:
+        return dataset.map(
+            function, batched=True, num_proc=_processes(len(dataset), num_proc),
+            cache_file_name=str(work / f"{name}.arrow"), load_from_cache_file=False,
+            new_fingerprint=name, remove_columns=dataset.column_names, **kwargs,
+        )  # fmt: skip
+    except Exception as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, UnicodeDecodeError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None or opened is None:
+            raise
+        raise undecodable_text(cause, opened.source, "a row", opened.files) from None
+
+
+def read_records(opened: OpenedSource, *, media: Any, model_name: str, work: Path, name: str,
+                 num_proc: int) -> tuple[Any, DataReport]:  # fmt: skip
+    """The source's kept records (columns `record`, `_source_row`) and its report; media
+    checked and expanded (`MediaSupport.prepare`'s rules and message), media for a text-only
+    model refused."""
+    from align_anything.data.multimodal import media_base_dir
+
+    base_dir = media_base_dir(opened.path) if media is not None else None
+    converted = _map(
+        opened.dataset, _convert_batch, work=work, name=name, with_indices=True, opened=opened,
+        num_proc=1 if media is not None else num_proc,
+        fn_kwargs={"opened": dataclasses.replace(opened, dataset=None), "media": media,
+                   "base_dir": base_dir},
+    )  # fmt: skip
+    table = converted.data
+    report, kept = drop_report(
+        opened.source, len(converted), table.column("_drop"), table.column(SOURCE_ROW),
+        fmt=opened.format,
+    )  # fmt: skip
+    import pyarrow.compute as pc
+
+    problems = table.column("_problem")
+    if problems.null_count < len(problems):
+        found = [p for p in problems.to_pylist() if p is not None]
+        shown = "\n  ".join(found[:5]) + ("\n  ..." if len(found) > 5 else "")
+        where = f" (relative paths are read from {base_dir})" if base_dir else ""
+        raise DataError(
+            f"{len(found)} row(s) of {opened.path} have missing or unreadable media"
+            f"{where} (numbered from 1 as in the file):\n  {shown}\nFix or remove those rows."
+        )
+    if media is None and pc.any(table.column("_media")).as_py():
+        raise UserError(
+            f"{opened.path} has images or audio, but model {model_name} is a text-only "
+            "model. Use an image-text or audio-text model (e.g. "
+            "model.name_or_path=tiny-random-llava), or data without media."
+        )
+    records = converted.select(kept, keep_in_memory=True).select_columns(["record", SOURCE_ROW])
+    return records, report
+
+
+# ----------------------------------------------------------------- stage 3: mixtures
+
+
+def mixture_rows(sources: Sequence[Source], sizes: Sequence[int], *, seed: int) -> list[np.ndarray]:
+    """Which of each source's kept records the mixture takes (indices, in file order), seeded
+    by `seed`: all of them (no `rows` or `weight`); `rows` of them (drawn without repeats, and
+    when `rows` exceeds the source, every row as often as it fits whole plus a draw for the
+    rest); or, for the sources with a `weight`, shares in proportion to the weights, as many
+    rows as the scarcest weighted source allows without repeating a row."""
+    weighted = [k for k, s in enumerate(sources) if s.weight is not None]
+    total_weight = sum(sources[k].weight for k in weighted)
+    scale = min((sizes[k] * total_weight / sources[k].weight for k in weighted), default=0.0)
+    chosen = []
+    for k, (source, size) in enumerate(zip(sources, sizes, strict=True)):
+        rng = np.random.default_rng([seed, k])
+        if source.rows is not None:
+            wanted = source.rows
+        elif source.weight is not None:
+            wanted = min(size, math.floor(scale * source.weight / total_weight + 1e-9))
+        else:
+            chosen.append(np.arange(size))
+            continue
+        whole, rest = divmod(wanted, size) if size else (0, 0)
+        parts = [np.arange(size)] * whole + [np.sort(rng.choice(size, rest, replace=False))]
+        chosen.append(np.concatenate(parts).astype(np.int64))
+    return chosen
+
+
+def _mixture_lines(split: str, sources: Sequence[Source], taken: Sequence[int]) -> list[str]:
+    total = max(sum(taken), 1)
+    lines = [f"{split} mixture of {len(sources)} sources, {sum(taken)} rows:"]
+    for source, n in zip(sources, taken, strict=True):
+        lines.append(f"  {n:>8} rows ({100 * n / total:5.1f}%)  {source.describe()}")
+    return lines
+
+
+def open_sources(sources: Sequence[Source], *, kind: str, task: str,
+                 split: str) -> list[OpenedSource]:  # fmt: skip
+    """Every source opened and its record kind checked, before any row is converted: a missing
+    source, a bad column mapping or a source of another kind fails first."""
+    opened = []
+    for k, source in enumerate(sources):
+        with naming_source(split, k, len(sources)):
+            one = open_source(source.path, format=source.format, columns=source.columns)
+            check_source_kind(one.kind, kind, source=one.path, task=task)
+        opened.append(one)
+    return opened
+
+
+@contextlib.contextmanager
+def naming_source(split: str, index: int, count: int) -> Iterator[None]:
+    """A UserError raised inside names the source of a mixture it is about (`data.path[1] …`)."""
+    try:
+        yield
+    except UserError as err:
+        if count == 1:
+            raise
+        raise type(err)(f"{split}[{index}] {err}") from None
+
+
+def _records_of(sources: Sequence[Source], opened: Sequence[OpenedSource], *, spec: Spec,
+                split: str, media: Any, model_name: str, work: Path,
+                num_proc: int) -> tuple[Any, list[DataReport], list[str]]:  # fmt: skip
+    """The mixed records of `sources` (one dataset), each source's report, the mixture's lines."""
+    import datasets
+
+    parts, reports = [], []
+    for k, one in enumerate(opened):
+        records, report = read_records(
+            one, media=media, model_name=model_name, work=work, name=f"{split}-{k}-records",
+            num_proc=num_proc,
+        )  # fmt: skip
+        parts.append(records)
+        reports.append(report)
+    if len(parts) == 1 and sources[0].weight is None and sources[0].rows is None:
+        return parts[0], reports, []
+    chosen = mixture_rows(sources, [len(p) for p in parts], seed=spec.seed)
+    mixed = datasets.concatenate_datasets(
+        [part.select(rows, keep_in_memory=True) for part, rows in zip(parts, chosen, strict=True)]
+    )
+    return mixed, reports, _mixture_lines(split, sources, [len(rows) for rows in chosen])
+
+
+# ----------------------------------------------------------------- stages 5-6: encoding
+
+
+def _unpair_batch(batch: dict[str, list]) -> dict[str, list]:
+    out: dict[str, list] = {"record": [], SOURCE_ROW: [], "_group": []}
+    for text, label in zip(batch["record"], batch[SOURCE_ROW], strict=True):
+        record = loads(text)
+        if "chosen" not in record:
+            rows = [(record, 0)]
+        else:
+            rest = {k: v for k, v in record.items() if k not in ("chosen", "rejected")}
+            rows = [({**rest, "completion": record["chosen"], "label": True}, 1),
+                    ({**rest, "completion": record["rejected"], "label": False}, 2)]  # fmt: skip
+        for row, group in rows:
+            out["record"].append(dumps(row))
+            out[SOURCE_ROW].append(label)
+            out["_group"].append(group)
+    return out
+
+
+def unpair_records(records: Any, *, work: Path, name: str) -> Any:
+    """`formats.unpair` on a records dataset: unpaired records first, then every pair's chosen
+    completion as a desirable row, then every rejected one, each group in the given order."""
+    expanded = _map(records, _unpair_batch, work=work, name=name, num_proc=1)
+    group = expanded.data.column("_group").to_numpy()
+    order = np.argsort(group, kind="stable")
+    return expanded.select(order, keep_in_memory=True).select_columns(["record", SOURCE_ROW])
+
+
+def _encoded_features(kind: str) -> Any:
+    import datasets
+
+    ids = datasets.List(datasets.Value("int32"))
+    features = {name: ids for name in ENCODED_COLUMNS[kind]}
+    if kind == "unpaired":
+        features["label"] = datasets.Value("bool")
+    features["extras"] = datasets.Value("string")
+    features["_drop"] = datasets.Value("string")
+    features[SOURCE_ROW] = datasets.Value("string")
+    return datasets.Features(features)
+
+
+def encode_records(records: Any, *, spec: Spec, tokenizer: Any, media: Any, split: str,
+                   work: Path, num_proc: int) -> tuple[Any, DataReport]:  # fmt: skip
+    """The encoded rows of a records dataset and the report of what the encoding dropped."""
+    import datasets
+
+    encoding = spec.encoding
+    name = ENCODER_NAMES[encoding.kind]
+    source = f"{split} split, {name}(max_length={spec.max_length}, truncation={spec.truncation!r})"
+    features = _encoded_features(encoding.kind)
+    if not len(records):  # `map` of no rows makes no columns
+        empty = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+        return empty.remove_columns(["_drop", SOURCE_ROW]), DataReport(source=source)
+    if encoding.unpair:
+        records = unpair_records(records, work=work, name=f"{split}-unpaired")
+    media_ids = frozenset(media.token_id(m) for m in media.modalities) if media else frozenset()
+    encoded = _map(
+        records, encode_batch, work=work, name=f"{split}-encoded",
+        num_proc=1 if media is not None else num_proc, features=features,
+        fn_kwargs={"encoding": encoding, "tokenizer": tokenizer, "max_length": spec.max_length,
+                   "truncation": spec.truncation, "media_token_ids": media_ids},
+    )  # fmt: skip
+    report, kept = drop_report(
+        source, len(encoded), encoded.data.column("_drop"), encoded.data.column(SOURCE_ROW),
+    )  # fmt: skip
+    kept_rows = encoded.select(kept, keep_in_memory=True)
+    return kept_rows.remove_columns(["_drop", SOURCE_ROW]), report
+
+
+# ----------------------------------------------------------------- the whole build
+
+
+def open_all(spec: Spec) -> tuple[list[OpenedSource], list[OpenedSource]]:
+    """Every training and eval source opened and checked (stage 1)."""
+    train = open_sources(spec.train, kind=spec.kind, task=spec.task, split="data.path")
+    evals = open_sources(spec.eval, kind=spec.kind, task=spec.task, split="data.eval_path")
+    return train, evals
+
+
+def build(spec: Spec, *, tokenizer: Any, media: Any, model_name: str, work: Path,
+          num_proc: int, on_start: Any = None) -> Built:  # fmt: skip
+    """Stages 1-6 (see the module docstring). `on_start(rows)` is called once, just before the
+    tokenizer runs, with the number of records it will encode."""
+    check_encoding_arguments(tokenizer, spec.max_length, spec.truncation)
+    opened_train, opened_eval = open_all(spec)
+    common = {"spec": spec, "media": media, "model_name": model_name, "work": work,
+              "num_proc": num_proc}  # fmt: skip
+    records, reports, mixture = _records_of(spec.train, opened_train, split="train", **common)
+    if spec.eval:
+        held_out, _, eval_mixture = _records_of(spec.eval, opened_eval, split="eval", **common)
+        train = records
+        mixture += eval_mixture
+    elif spec.eval_fraction > 0:
+        train_idx, eval_idx = split_records(
+            range(len(records)), eval_fraction=spec.eval_fraction, seed=spec.seed
+        )
+        train = records.select(train_idx, keep_in_memory=True)
+        held_out = records.select(eval_idx, keep_in_memory=True)
+    else:
+        train, held_out = records, records.select([], keep_in_memory=True)
+    if spec.max_train is not None and len(train) > spec.max_train:
+        train = train.select(range(spec.max_train), keep_in_memory=True)
+    if spec.max_eval is not None and len(held_out) > spec.max_eval:
+        held_out = held_out.select(range(spec.max_eval), keep_in_memory=True)
+    column = spec.encoding.margin_column
+    if column:  # before any tokenisation, as the list path checks them
+        check_margins(RecordsView(train), column, describe_sources(spec.train))
+        held_out_source = describe_sources(spec.eval) if spec.eval else describe_sources(spec.train)
+        check_margins(RecordsView(held_out), column, held_out_source)
+    if on_start is not None:
+        on_start(len(train) + len(held_out))
+    encode = {"spec": spec, "tokenizer": tokenizer, "media": media, "work": work,
+              "num_proc": num_proc}  # fmt: skip
+    train_rows, train_report = encode_records(train, split="train", **encode)
+    reports.append(train_report)
+    eval_rows, eval_report = encode_records(held_out, split="eval", **encode)
+    if len(held_out):
+        reports.append(eval_report)
+    return Built(train_rows, eval_rows, held_out.select_columns(["record"]), reports, mixture,
+                 tokenised=len(train) + len(held_out))  # fmt: skip
