@@ -51,6 +51,7 @@ bench: setup
 	$(PY) benchmarks/dpo_vs_trl.py
 	$(PY) benchmarks/sft_vs_trl.py
 	$(PY) benchmarks/kto_vs_trl.py
+	$(PY) benchmarks/sft_packing.py
 
 lint: setup
 	$(VENV)/bin/ruff check align_anything tests benchmarks

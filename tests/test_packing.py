@@ -298,3 +298,17 @@ def test_packed_step_equals_unpacked_step_through_the_entry_point(tmp_path: Path
     assert packed.eval("after")["eval/loss"] == pytest.approx(
         plain.eval("after")["eval/loss"], rel=1e-6
     )
+
+
+@pytest.mark.slow
+def test_packed_sft_on_two_ranks_matches_one_rank(tmp_path: Path) -> None:
+    """2 ranks × 2 packed sequences under ZeRO-2 log the 1-rank × 4 losses: each rank's
+    micro-batch holds other packed sequences, and the loss is normalised by the global count of
+    scored tokens over both ranks."""
+    run = launch(
+        [*SFT_ARGS, "deepspeed=z2", "train.per_device_batch_size=2", "sft.packing=true"],
+        tmp_path / "packed-2rank",
+        launcher="deepspeed",
+        nproc=2,
+    ).check()
+    assert run.losses() == pytest.approx(PACKED_FROZEN_LOSSES, abs=1e-5), run.losses()
