@@ -83,6 +83,9 @@ class OnlineTrainer(Trainer):
     """The shared online-RL step; subclasses give the advantages and the loss."""
 
     record_kind: ClassVar[str] = "prompt"
+    # The loss's items are tokens for dapo: no samples_per_second (generation/* and
+    # train/tokens_per_second give the throughput).
+    count_unit: ClassVar[str] = "tokens"
     # Whether the old policy's log-probs are needed at generation time beyond μ > 1.
     needs_old_logps_for_reward: ClassVar[bool] = False
 
