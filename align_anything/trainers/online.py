@@ -46,7 +46,7 @@ from align_anything.data.media import MEDIA_KEYS
 from align_anything.data.prompts import encode_prompts
 from align_anything.errors import ConfigError, UserError
 from align_anything.forward import completion_token_logps
-from align_anything.trainers import generation, reference
+from align_anything.trainers import checkpoints, generation, reference
 from align_anything.trainers.base import Trainer
 from align_anything.trainers.batching import step_indices
 from align_anything.trainers.reward_model import RewardModel
@@ -321,8 +321,11 @@ class OnlineTrainer(Trainer):
         error: str | None = None
         total: list[float] = []
         per: dict[str, list[float]] = {}
+        prompts = [row["prompt"] for row in rows]
+        # The reward model first: its forward is collective under ZeRO-3, so every rank runs
+        # it, also when a reward function on this rank is about to fail.
+        scores = self.reward_model.score(prompts, texts) if self.reward_model else None
         try:
-            prompts = [row["prompt"] for row in rows]
             count = len(self.reward_functions)
             total, per = [math.nan] * len(texts), {}
             if count:
@@ -331,8 +334,7 @@ class OnlineTrainer(Trainer):
                     completions=texts, fields=row_fields(rows), row_ids=row_ids,
                 )  # fmt: skip
                 total, per = scored.tolist(), {k: v.tolist() for k, v in by_name.items()}
-            if self.reward_model is not None:
-                scores = self.reward_model.score(prompts, texts)
+            if scores is not None:
                 per["reward_model"] = scores
                 weight = self.reward_weights[count]
                 total = [s * weight if math.isnan(t) else t + s * weight
@@ -341,14 +343,12 @@ class OnlineTrainer(Trainer):
             error = str(err)
         errors = [e for e in comm.all_gather_objects(error) if e]
         if errors:
-            where = f" in step {step + 1}" if step is not None else " in evaluation"
-            good = None
-            if step is not None:
-                from align_anything.trainers import checkpoints
-
-                good = checkpoints.last_complete(self.output_dir / "checkpoints", self.run_id)
+            if step is None:
+                raise UserError(f"reward in the held-out evaluation failed: {errors[0]}")
+            good = checkpoints.last_complete(self.output_dir / "checkpoints", self.run_id)
             raise UserError(
-                f"reward{where} failed, before that step's optimizer update: {errors[0]}"
+                f"reward in step {step + 1} failed, before that step's optimizer update: "
+                f"{errors[0]}"
                 + (
                     f"\nThe last complete checkpoint, {good}, is intact (resume=auto)."
                     if good
