@@ -84,7 +84,8 @@ def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
             launcher="deepspeed",
             nproc=2,
         ),
-        # 1 rank, 2 micro-batches of 4 (accumulation), every speed switch off.
+        # 1 rank, 2 micro-batches of 4 (accumulation), every speed switch off (the others run
+        # each prompt's completions as one shared-prompt row).
         "accum-plain": launch(
             [
                 *GRPO_ARGS,
@@ -93,6 +94,7 @@ def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
                 "train.gradient_accumulation_steps=2",
                 "speed.completion_only_logits=false",
                 "speed.tied_grads_in_place=false",
+                "speed.share_prefix=false",
                 "grpo.eval_samples=1",
             ],
             root / "accum",
@@ -128,6 +130,7 @@ def test_grpo_trains_against_frozen_losses(grpo_runs: dict[str, RunResult]) -> N
         assert {"eval/reward", "eval/rewards/length_penalty", "eval/completion_length",
                 "eval/generation_check"} <= set(line)  # fmt: skip
     assert run.summary_line("reference").startswith("frozen copy")
+    assert "prompt + completions" in run.summary_line("rows")
     assert run.losses() == pytest.approx(GRPO_FROZEN, rel=FROZEN_RTOL, abs=1e-7)
     assert [m["reward"] for m in steps] == pytest.approx(GRPO_FROZEN_REWARDS, abs=1e-7)
 
