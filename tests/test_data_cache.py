@@ -337,6 +337,13 @@ def test_a_prompt_mixture_is_deterministic_and_takes_user_ending_conversations(
     assert [again.train[i] for i in range(len(again.train))] == rows
     other = prepare(dataclasses.replace(s, seed=8), tokenizer, tmp_path / "c")
     assert [other.train[i] for i in range(20)] != rows[:20]  # the seed draws the 20 rows
+    # The prompt limit and mode change the rows, so they are in the key.
+    keys = {
+        cache.folder_for(tmp_path, v, cache.key_parts(v, tokenizer=tokenizer, media=None))
+        for v in (prompt_spec(mix, limit=1024), prompt_spec(mix, limit=512),
+                  prompt_spec(mix, "keep_end", limit=1024))
+    }  # fmt: skip
+    assert len(keys) == 3
 
 
 # ---------------------------------------------------------------------------- real runs
