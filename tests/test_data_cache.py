@@ -17,6 +17,7 @@ from align_anything.data import cache, encode_preference, encode_sft, encode_unp
 from align_anything.data.encode import Encoding
 from align_anything.data.formats import unpair
 from align_anything.data.pipeline import Source, Spec, mixture_rows
+from align_anything.data.prompts import encode_prompts
 from align_anything.errors import ConfigError, DataError
 from align_anything.train import main
 
@@ -220,6 +221,12 @@ def test_a_mixture_shows_each_source_and_is_deterministic(tokenizer, hh_sample, 
          ["data.path[1] task=dpo needs preference data, but arith-sft holds conversations"]),
         (["task=dpo", "data.eval_path=[{path: arith-sft}]"],
          ["task=dpo needs preference data, but arith-sft holds conversations"]),
+        # Preference pairs are no prompts: online RL refuses them, in a mixture and held out.
+        (["task=grpo", "data.path=[{path: arith-prompts}, {path: arith-pref, weight: 1}]"],
+         ["data.path[1] task=grpo needs prompt data (a prompt column, or conversations ending "
+          "with a user turn), but arith-pref holds preference pairs"]),
+        (["task=rloo", "data.eval_path=[{path: arith-prompts-eval}, {path: arith-kto}]"],
+         ["data.eval_path[1] task=rloo needs prompt data", "arith-kto holds unpaired rows"]),
     ],
 )  # fmt: skip
 def test_bad_mixtures_are_one_error_before_any_compute(
@@ -253,6 +260,90 @@ def test_a_source_takes_a_weight_or_rows_not_both(tmp_path) -> None:
 
     with pytest.raises(ConfigError, match="weight or a row count, not both"):
         load_config(["task=dpo", "data.path=[{path: arith-pref, weight: 1, rows: 5}]"])
+
+
+# ---------------------------------------------------------------------------- online-RL prompts
+
+# Reward fields of every JSON type a column can hold (one type per column, as Arrow reads
+# files); `maybe` is null in some rows.
+FIELD_ROWS = [
+    {"prompt": "What is 2 + 3?", "answer": 5, "unit": "apples", "ratio": 0.1, "ok": True,
+     "steps": [2, 3], "tags": ["sum", "easy"], "meta": {"level": 1, "path": ["a", "b"]},
+     "maybe": None},
+    {"prompt": "Count to four " * 20, "answer": -7, "unit": "", "ratio": 1e-300, "ok": False,
+     "steps": [], "tags": ["long"], "meta": {"level": 2, "path": []}, "maybe": 3},
+    {"prompt": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Name a prime above 10**12."}],
+     "answer": 10**12 + 39, "unit": "ünïcode ✓", "ratio": -2.5, "ok": True, "steps": [1],
+     "tags": [], "meta": {"level": 3, "path": ["c"]}, "maybe": None},
+]  # fmt: skip
+
+
+def prompt_spec(train: tuple[Source, ...], truncation: str = "drop", limit: int = 64) -> Spec:
+    encoding = Encoding("prompt", max_prompt_length=limit, prompt_truncation=truncation)
+    return spec("unused", encoding, train=train, kind="prompt", task="grpo", eval_fraction=0.0)
+
+
+@pytest.mark.parametrize("truncation", ["drop", "keep_end"])
+def test_prompt_rows_and_their_fields_round_trip_exactly(tokenizer, tmp_path, truncation) -> None:
+    """The Arrow rows of prompt data equal `encode_prompts`' rows (ids, messages, fields,
+    source rows) and reports; every field comes back as the file holds it."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in FIELD_ROWS))
+    s = prompt_spec((Source(str(path), "auto", {}),), truncation)
+    got = prepare(s, tokenizer, tmp_path / "cache")
+    records, _ = load_records(str(path))
+    want, report = encode_prompts(records, tokenizer, max_prompt_length=64, truncation=truncation)
+    rows = [got.train[i] for i in range(len(got.train))]
+    assert rows == want
+    assert got.reports[1].summary() == f"train split, {report.summary()}"
+    kept = [0, 2] if truncation == "drop" else [0, 1, 2]  # row 2 is longer than 64 ids
+    assert [row["source_row"] for row in rows] == [f"line {k + 1}" for k in kept]
+    for row, k in zip(rows, kept, strict=True):
+        fields = {key: v for key, v in FIELD_ROWS[k].items() if key != "prompt"}
+        assert row["fields"] == fields
+        assert [type(v) for v in row["fields"].values()] == [type(v) for v in fields.values()]
+    if truncation == "drop":
+        assert report.dropped == {"prompt longer than max_prompt_length=64": 1}
+    else:
+        assert len(rows[1]["prompt_ids"]) == 64
+
+
+def test_a_prompt_mixture_is_deterministic_and_takes_user_ending_conversations(
+    tokenizer, tmp_path
+) -> None:
+    conversations = tmp_path / "conversations.jsonl"
+    turns = [{"role": "user", "content": f"What is {n} + 1?"} for n in range(12)]
+    ends = [{"role": "assistant", "content": "It is."}]
+    conversations.write_text("".join(
+        json.dumps({"messages": [t, *ends] if k % 4 == 3 else [t], "answer": k + 1}) + "\n"
+        for k, t in enumerate(turns)
+    ))  # fmt: skip
+    mix = (Source("arith-prompts", "auto", {}, rows=20),
+           Source(str(conversations), "auto", {}, weight=1.0))  # fmt: skip
+    s = prompt_spec(mix, limit=1024)
+    got = prepare(s, tokenizer, tmp_path / "a")
+    assert got.mixture[0] == "train mixture of 2 sources, 32 rows:"
+    assert "20 rows ( 62.5%)  arith-prompts, rows=20" in got.mixture[1]
+    # Every user-ending conversation is a prompt; the 3 ending with an answer are dropped
+    # when encoded, counted by line.
+    encoded = got.reports[2]
+    assert encoded.kept == 29
+    assert encoded.dropped == {"conversation ends with an assistant turn (a prompt must end "
+                               "with a user turn)": 3}  # fmt: skip
+    rows = [got.train[i] for i in range(len(got.train))]
+    assert {r["fields"].get("answer") for r in rows[20:]} == {1, 2, 3, 5, 6, 7, 9, 10, 11}
+    again = prepare(s, tokenizer, tmp_path / "b")
+    assert [again.train[i] for i in range(len(again.train))] == rows
+    other = prepare(dataclasses.replace(s, seed=8), tokenizer, tmp_path / "c")
+    assert [other.train[i] for i in range(20)] != rows[:20]  # the seed draws the 20 rows
+    # The prompt limit and mode change the rows, so they are in the key.
+    keys = {
+        cache.folder_for(tmp_path, v, cache.key_parts(v, tokenizer=tokenizer, media=None))
+        for v in (prompt_spec(mix, limit=1024), prompt_spec(mix, limit=512),
+                  prompt_spec(mix, "keep_end", limit=1024))
+    }  # fmt: skip
+    assert len(keys) == 3
 
 
 # ---------------------------------------------------------------------------- real runs
@@ -294,3 +385,37 @@ def test_two_ranks_share_one_cache_and_only_rank_0_tokenises(tmp_path: Path) -> 
     one = launch([*args, "train.gradient_accumulation_steps=2"], tmp_path / "one").check()
     assert "cache hit " in one.summary_line("data cache")
     assert one.losses() == pytest.approx(two.losses(), rel=1e-5)
+
+
+GRPO_RUN = ["task=grpo", TINY, "train.precision=fp32", "train.max_steps=1",
+            "train.per_device_batch_size=4", "grpo.num_generations=2",
+            "grpo.max_completion_length=4", "grpo.eval_samples=2",
+            "reward.functions=[align_anything.rewards:length_penalty]",
+            "data.eval_path=arith-prompts-eval", "checkpoint.save_final=false"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_grpo_prompts_cache_miss_then_hit_through_the_entry_point(tmp_path: Path) -> None:
+    """Online RL reads its prompts through the cache too, here a mixture with a file of
+    conversations ending with a user turn: a miss, then a hit with the same step."""
+    conversations = tmp_path / "conversations.jsonl"
+    conversations.write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"What is {n} + {n}?"}],
+                    "answer": 2 * n}) + "\n"
+        for n in range(8)
+    ))  # fmt: skip
+    mixed = f"data.path=[{{path: arith-prompts, rows: 24}}, {{path: {conversations}}}]"
+    args = [*GRPO_RUN, mixed, f"data.cache_dir={tmp_path / 'cache'}"]
+    first = launch(args, tmp_path / "first").check()
+    assert "data: rank 0 tokenising 96 rows" in first.output  # 24 + 8 + 64 held out
+    line = first.summary_line("data cache")
+    assert "tokenised 96 rows in " in line and f"(cached at {tmp_path / 'cache'}" in line
+    assert "train mixture of 2 sources, 32 rows:" in first.output
+    second = launch(args, tmp_path / "second").check()
+    assert "tokenising" not in second.output
+    assert "cache hit " in second.summary_line("data cache")
+    assert len(first.train_steps()) == 1
+    for key in ("loss", "reward", "completions/mean_length"):
+        assert second.train_steps()[0][key] == first.train_steps()[0][key], key
+    assert second.eval("after")["eval/reward"] == first.eval("after")["eval/reward"]
+    assert "eval/generation_check" in first.eval("after")  # the built-in held-out check

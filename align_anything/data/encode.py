@@ -307,10 +307,11 @@ ENCODED_COLUMNS = {
     "sft": ("input_ids", "labels"),
     "preference": ("prompt_ids", "chosen_ids", "rejected_ids"),
     "unpaired": ("prompt_ids", "completion_ids", "label"),
+    "prompt": ("prompt_ids",),
 }
 # The name the start-up summary gives each encoding's report (as the list encoders do).
 ENCODER_NAMES = {"sft": "encode_sft", "preference": "encode_preference",
-                 "unpaired": "encode_unpaired"}  # fmt: skip
+                 "unpaired": "encode_unpaired", "prompt": "encode_prompts"}  # fmt: skip
 CUT_MEDIA = "truncation cut into media placeholder tokens"
 
 
@@ -319,27 +320,41 @@ class Encoding:
     """How a task turns records into rows, as plain data: it travels to the worker processes
     of `datasets.map` and is part of the cache key.
 
-    `kind`: "sft", "preference" or "unpaired". `all_labels` (SFT): every token is a target,
-    not only the assistant turns. `margin_column` (preference): the record key whose number
-    becomes the row's `margin`; without one a `margin` key is not kept. `unpair` (unpaired):
-    preference records are first split into a desirable and an undesirable row
-    (`formats.unpair`'s order).
+    `kind`: "sft", "preference", "unpaired" or "prompt" (online RL: `data.prompts`).
+    `all_labels` (SFT): every token is a target, not only the assistant turns. `margin_column`
+    (preference): the record key whose number becomes the row's `margin`; without one a
+    `margin` key is not kept. `unpair` (unpaired): preference records are first split into a
+    desirable and an undesirable row (`formats.unpair`'s order). `max_prompt_length` and
+    `prompt_truncation` (prompt, both required there): the prompt's limit and what happens
+    past it (`prompts.PROMPT_TRUNCATION_MODES`); a prompt row has no completion, so the run's
+    `max_length` / `truncation` do not apply to it.
     """
 
     kind: str
     all_labels: bool = False
     margin_column: str | None = None
     unpair: bool = False
+    max_prompt_length: int | None = None
+    prompt_truncation: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ENCODED_COLUMNS:
             raise ValueError(f"unknown encoding kind {self.kind!r}")
+        if self.kind == "prompt" and None in (self.max_prompt_length, self.prompt_truncation):
+            raise ValueError("a prompt encoding needs max_prompt_length and prompt_truncation")
+
+    def describe(self, max_length: int, truncation: str) -> str:
+        """The encoder's name and limits, as its report names them."""
+        if self.kind == "prompt":
+            return (f"{ENCODER_NAMES['prompt']}(max_prompt_length={self.max_prompt_length}, "
+                    f"truncation={self.prompt_truncation!r})")  # fmt: skip
+        return f"{ENCODER_NAMES[self.kind]}(max_length={max_length}, truncation={truncation!r})"
 
 
-def _encode_record(record: dict, encoding: Encoding, tokenizer: Any, max_length: int,
-                   truncation: str) -> dict:  # fmt: skip
-    """One record as a row (`ENCODED_COLUMNS[kind]` plus its other keys), as the list
-    encoders make it."""
+def encode_record(record: dict, encoding: Encoding, tokenizer: Any, max_length: int,
+                  truncation: str) -> dict:  # fmt: skip
+    """One conversation, preference or unpaired record as a row (`ENCODED_COLUMNS[kind]` plus
+    its other keys), as the list encoders make it (prompt records: `prompts.encode_prompt`)."""
     if encoding.kind == "sft":
         encoded = _encode_conversation(record, tokenizer, max_length, truncation)
         if encoding.all_labels:
@@ -353,41 +368,9 @@ def _encode_record(record: dict, encoding: Encoding, tokenizer: Any, max_length:
         if not encoding.margin_column:
             row.pop("margin", None)
         return row
-    return _encode_unpaired(record, tokenizer, max_length, truncation)
-
-
-def encode_batch(
-    batch: Mapping[str, list], *, encoding: Encoding, tokenizer: Any, max_length: int,
-    truncation: str, media_token_ids: frozenset[int] = frozenset(),
-) -> dict[str, list]:  # fmt: skip
-    """`datasets.map` (batched) over records stored as JSON (`record`, `_source_row`): the
-    encoded columns, `extras` (the record's other keys as JSON, None when it has none), and
-    `_drop`, the reason a row was dropped (None for a kept row; its other columns are then
-    empty), and `_source_row` passed through. With `media_token_ids`, a row whose placeholder tokens truncation cut is dropped."""
-    from align_anything.data.jsonrow import dumps, loads
-
-    names = ENCODED_COLUMNS[encoding.kind]
-    out: dict[str, list] = {name: [] for name in (*names, "extras", "_drop")}
-    out[SOURCE_ROW] = list(batch[SOURCE_ROW])
-    for text in batch["record"]:
-        record = loads(text)
-        try:
-            row = _encode_record(record, encoding, tokenizer, max_length, truncation)
-            if media_token_ids:
-                seq = row.get("input_ids", row.get("prompt_ids", []))
-                if sum(1 for t in seq if t in media_token_ids) != row.get("media_tokens", 0):
-                    raise RowRejected(CUT_MEDIA)
-        except RowRejected as reason:
-            for name in names:
-                out[name].append(None)
-            out["extras"].append(None)
-            out["_drop"].append(str(reason))
-            continue
-        for name in names:
-            out[name].append(row.pop(name))
-        out["extras"].append(dumps(row) if row else None)
-        out["_drop"].append(None)
-    return out
+    if encoding.kind == "unpaired":
+        return _encode_unpaired(record, tokenizer, max_length, truncation)
+    raise ValueError(f"encode_record does not encode {encoding.kind!r} records")
 
 
 def check_encoding_arguments(tokenizer: Any, max_length: int, truncation: str) -> None:

@@ -472,7 +472,8 @@ class OpenedSource:
 
     @property
     def kind(self) -> str:
-        """The record kind its rows become ("conversation", "preference", "unpaired")."""
+        """The record kind its rows become ("conversation", "preference", "unpaired",
+        "prompt")."""
         return FORMAT_KINDS[self.format]
 
     def convert(self, raw: Mapping[str, Any], index: int) -> tuple[dict | None, str | None]:
@@ -491,7 +492,7 @@ class OpenedSource:
 # The record kind each format's rows become.
 FORMAT_KINDS = {
     "conversation": "conversation", "prompt_response": "conversation",
-    "preference": "preference", "hh": "preference", "unpaired": "unpaired",
+    "preference": "preference", "hh": "preference", "unpaired": "unpaired", "prompt": "prompt",
 }  # fmt: skip
 
 

@@ -14,7 +14,8 @@ run do not change with this path):
 4. the held-out split (`formats.split_records`' seeded choice, or the eval sources), then
    `data.max_train_samples` / `max_eval_samples`: before any tokenisation;
 5. KTO's preference pairs split into unpaired rows (`formats.unpair`'s order);
-6. the encoding (`encode.encode_batch`), dropped rows counted with their row numbers.
+6. the encoding (`encode_batch`: `encode.encode_record`, or `prompts.encode_prompt` for online
+   RL's prompts), dropped rows counted with their row numbers.
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ from typing import Any
 import numpy as np
 
 from align_anything.data.encode import (
+    CUT_MEDIA,
     ENCODED_COLUMNS,
-    ENCODER_NAMES,
     Encoding,
     check_encoding_arguments,
-    encode_batch,
+    encode_record,
 )
 from align_anything.data.formats import (
     SOURCE_ROW,
     DataReport,
     OpenedSource,
+    RowRejected,
     check_margins,
     check_source_kind,
     open_source,
@@ -48,6 +50,7 @@ from align_anything.data.formats import (
 )
 from align_anything.data.jsonrow import dumps, loads
 from align_anything.data.media import MEDIA_KEYS, MediaUnreadable, as_list
+from align_anything.data.prompts import check_prompt_arguments, encode_prompt
 from align_anything.data.rows import RecordsView
 from align_anything.data.sources import undecodable_text
 from align_anything.errors import DataError, UserError
@@ -357,6 +360,50 @@ def unpair_records(records: Any, *, work: Path, name: str) -> Any:
     return expanded.select(order, keep_in_memory=True).select_columns(["record", SOURCE_ROW])
 
 
+def _encode_one(record: dict, encoding: Encoding, tokenizer: Any, max_length: int,
+                truncation: str) -> dict:  # fmt: skip
+    if encoding.kind == "prompt":
+        return encode_prompt(
+            record, tokenizer, max_prompt_length=encoding.max_prompt_length,
+            truncation=encoding.prompt_truncation,
+        )  # fmt: skip
+    return encode_record(record, encoding, tokenizer, max_length, truncation)
+
+
+def encode_batch(
+    batch: dict[str, list], *, encoding: Encoding, tokenizer: Any, max_length: int,
+    truncation: str, media_token_ids: frozenset[int] = frozenset(),
+) -> dict[str, list]:  # fmt: skip
+    """`datasets.map` (batched) over records stored as JSON (`record`, `_source_row`): the
+    encoded columns, `extras` (the row's other keys as JSON, None when it has none: a prompt
+    row's messages, reward fields and source row travel there and come back exactly), and
+    `_drop`, the reason a row was dropped (None for a kept row; its other columns are then
+    empty), and `_source_row` passed through. With `media_token_ids`, a row whose placeholder
+    tokens truncation cut is dropped."""
+    names = ENCODED_COLUMNS[encoding.kind]
+    out: dict[str, list] = {name: [] for name in (*names, "extras", "_drop")}
+    out[SOURCE_ROW] = list(batch[SOURCE_ROW])
+    for text in batch["record"]:
+        record = loads(text)
+        try:
+            row = _encode_one(record, encoding, tokenizer, max_length, truncation)
+            if media_token_ids:
+                seq = row.get("input_ids", row.get("prompt_ids", []))
+                if sum(1 for t in seq if t in media_token_ids) != row.get("media_tokens", 0):
+                    raise RowRejected(CUT_MEDIA)
+        except RowRejected as reason:
+            for name in names:
+                out[name].append(None)
+            out["extras"].append(None)
+            out["_drop"].append(str(reason))
+            continue
+        for name in names:
+            out[name].append(row.pop(name))
+        out["extras"].append(dumps(row) if row else None)
+        out["_drop"].append(None)
+    return out
+
+
 def _encoded_features(kind: str) -> Any:
     import datasets
 
@@ -376,8 +423,7 @@ def encode_records(records: Any, *, spec: Spec, tokenizer: Any, media: Any, spli
     import datasets
 
     encoding = spec.encoding
-    name = ENCODER_NAMES[encoding.kind]
-    source = f"{split} split, {name}(max_length={spec.max_length}, truncation={spec.truncation!r})"
+    source = f"{split} split, {encoding.describe(spec.max_length, spec.truncation)}"
     features = _encoded_features(encoding.kind)
     if not len(records):  # `map` of no rows makes no columns
         empty = datasets.Dataset.from_dict({k: [] for k in features}, features=features)
@@ -413,6 +459,10 @@ def build(spec: Spec, *, tokenizer: Any, media: Any, model_name: str, work: Path
     """Stages 1-6 (see the module docstring). `on_start(rows)` is called once, just before the
     tokenizer runs, with the number of records it will encode."""
     check_encoding_arguments(tokenizer, spec.max_length, spec.truncation)
+    if spec.encoding.kind == "prompt":
+        check_prompt_arguments(
+            tokenizer, spec.encoding.max_prompt_length, spec.encoding.prompt_truncation
+        )
     opened_train, opened_eval = open_all(spec)
     common = {"spec": spec, "media": media, "model_name": model_name, "work": work,
               "num_proc": num_proc}  # fmt: skip

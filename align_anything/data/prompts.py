@@ -28,8 +28,12 @@ ids the model sees before it generates — and truncates prompts longer than
   is then lost and the model continues the user's text; kept for parity with tools that cut
   on the right, rarely what RL wants.
 
-A row whose truncation cut into media placeholders is dropped later by
-`MediaSupport.drop_cut_rows` (it reads `prompt_ids` and `media_tokens`).
+A row whose truncation cut into media placeholders is dropped later (`pipeline.encode_batch`,
+or `MediaSupport.drop_cut_rows` for lists; both read `prompt_ids` and `media_tokens`).
+
+Runs encode through the Arrow pipeline (`Encoding("prompt", ...)`: `encode_prompt` per record,
+cached and mixable as every task's data); a row's messages, fields and source row are kept as
+JSON beside its `prompt_ids` and come back exactly when the row is read (`rows.EncodedRows`).
 """
 
 from __future__ import annotations
@@ -101,7 +105,9 @@ def prompt_fields(record: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in _NOT_FIELDS}
 
 
-def _check_prompt_arguments(tokenizer: Any, max_prompt_length: int, truncation: str) -> None:
+def check_prompt_arguments(tokenizer: Any, max_prompt_length: int, truncation: str) -> None:
+    """`max_prompt_length` and `truncation` are usable and the tokenizer has a chat template
+    (`ConfigError` / `ModelError` otherwise)."""
     if truncation not in PROMPT_TRUNCATION_MODES:
         raise ConfigError(
             f"truncation={truncation!r} is not a prompt truncation mode"
@@ -132,7 +138,7 @@ def encode_prompt(
     `source_row` is the record's row label (`formats.row_label`; `index` is its position, used
     when the record carries none), for `rewards.score_completions`'s `row_ids`. Raises
     `RowRejected` with the drop reason (see the module docstring). Arguments are not checked
-    here (`encode_prompts` checks them once)."""
+    here (`encode_prompts` and `pipeline.build` check them once)."""
     prompt_record = as_prompt_record(record)
     prompt = prompt_record["prompt"]
     ids = _template_ids(tokenizer, prompt, add_generation_prompt=True)
@@ -161,7 +167,7 @@ def encode_prompts(
     rejects are dropped and counted in the report, as `encode.encode_sft` & co. do. Raises
     `ConfigError` for an unknown `truncation` or a bad `max_prompt_length`, `ModelError` for a
     tokenizer without a chat template."""
-    _check_prompt_arguments(tokenizer, max_prompt_length, truncation)
+    check_prompt_arguments(tokenizer, max_prompt_length, truncation)
     report = DataReport(
         source=f"encode_prompts(max_prompt_length={max_prompt_length}, truncation={truncation!r})",
         total=len(records),

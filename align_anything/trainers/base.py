@@ -1,7 +1,7 @@
 """The skeleton every trainer shares: set-up in named steps, the step loop, evaluation,
 checkpoints and the final export.
 
-A task's trainer adds only its data encoding and its batch → loss (`encode`, `collate`,
+A task's trainer adds only its data encoding and its batch → loss (`encoding`, `collate`,
 `count_items`, `compute_loss`, optionally `build_model`, `after_engine`, `step_rows`,
 `before_step`, `evaluate_extra`, `finalize_metrics`). What the steps use lives beside this file: `batching` (which rows form a
 step), `checkpoints` (the store, RNG state, resume checks), `output_dir` (lock and run.json),
@@ -24,7 +24,7 @@ from align_anything.backend import memory, universal
 from align_anything.backend.engine import Engine
 from align_anything.backend.zero_init import model_init_context
 from align_anything.config import AUTO_PRESET, RunConfig
-from align_anything.data import DataReport, cache, pipeline, splits
+from align_anything.data import cache, pipeline
 from align_anything.data.encode import Encoding
 from align_anything.data.multimodal import MediaSupport
 from align_anything.data.rows import EncodedRows
@@ -38,12 +38,7 @@ from align_anything.models.ema import WeightEMA
 from align_anything.models.prepare import prepare_for_training
 from align_anything.trainers import checkpoints, report
 from align_anything.trainers import output_dir as outdir
-from align_anything.trainers.batching import (
-    plan_steps,
-    rank_step_rows,
-    row_tokens,
-    shard_chunks,
-)
+from align_anything.trainers.batching import plan_steps, rank_step_rows, shard_chunks
 from align_anything.trainers.preemption import StopRequest, agreed_signal
 from align_anything.trainers.tracking import (
     MetricsLogger,
@@ -76,13 +71,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ hooks for subclasses
 
-    def encoding(self) -> Encoding | None:
-        """How the task encodes records, for the cached Arrow path (`data.pipeline`); None
-        for a trainer that encodes Python lists in `encode` instead (no cache)."""
-        return None
-
-    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
-        """The list path's encoding (only for a trainer whose `encoding` is None)."""
+    def encoding(self) -> Encoding:
+        """How the task encodes records (`data.pipeline`, cached by `data.cache`)."""
         raise NotImplementedError
 
     def prepare_rows(self, rows: EncodedRows, split: str) -> None:
@@ -211,12 +201,8 @@ class Trainer:
         """Load, check, split and encode the data (before any weights: a bad dataset fails in
         seconds, not after a model load): into the on-disk Arrow cache (`data.cache`), built by
         local rank 0 of each node while the other ranks wait, then opened by every rank."""
-        encoding = self.encoding()
-        if encoding is None:
-            self._build_data_from_lists()
-            return
         cfg = self.cfg.data
-        spec = self._data_spec(encoding)
+        spec = self._data_spec(self.encoding())
         root = cache.cache_root(cfg.cache_dir)
         # Rank 0 reads and hashes the files once; every rank gets the key (or the error).
         parts = comm.decide_on_main(
@@ -298,44 +284,6 @@ class Trainer:
                     raise UserError(f"data preparation failed on another rank ({message})")
                 raise getattr(errors, kind, UserError)(message)
         return note
-
-    def _build_data_from_lists(self) -> None:
-        """The list path, for a trainer without an `encoding` (its `encode` hook): records and
-        rows as Python lists, no cache."""
-        cfg = self.cfg.data
-        if not isinstance(cfg.path, str) or not isinstance(cfg.eval_path, str | None):
-            raise UserError(
-                f"task={self.task} reads one data source (its trainer encodes Python lists); "
-                "give data.path and data.eval_path as a single path, not a list"
-            )
-        train, self.eval_records, found = splits.train_and_eval(
-            cfg.path, cfg.eval_path, eval_fraction=cfg.eval_fraction, seed=self.cfg.train.seed,
-            max_train=cfg.max_train_samples, max_eval=cfg.max_eval_samples, fmt=cfg.format,
-            columns=cfg.columns, kind=self.record_kind, task=self.task, media=self.media,
-            model_name=self.cfg.model.name_or_path,
-        )  # fmt: skip
-        self.data_reports = [found]
-        self.train_rows = self._encode(train, "train")
-        self.eval_rows = self._encode(self.eval_records, "eval") if self.eval_records else []
-        if not self.train_rows:
-            raise UserError(
-                f"no usable training rows in {cfg.path}:\n"
-                + "\n".join(r.summary() for r in self.data_reports)
-            )
-        self._row_lengths = [row_tokens(row) for row in self.train_rows]
-        # Hashed now, as encoded: trainers may add to the rows later (DPO reference log-probs).
-        self.fingerprints = checkpoints.fingerprints(
-            str(cfg.path), tokenizer=cache.tokenizer_fingerprint(self.tokenizer),
-            data=checkpoints.rows_fingerprint(self.train_rows),
-        )  # fmt: skip
-
-    def _encode(self, records: list[dict], split: str) -> list[dict]:
-        rows, found = self.encode(records, split=split)
-        if self.media is not None:
-            rows = self.media.drop_cut_rows(rows, found)
-        found.source = f"{split} split, {found.source}"
-        self.data_reports.append(found)
-        return rows
 
     def _plan_run(self) -> None:
         """The DeepSpeed plan (config, batch plan, precision: `plan.resolve_deepspeed`), the

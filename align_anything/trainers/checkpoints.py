@@ -17,7 +17,6 @@ weights load.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -213,21 +212,6 @@ def restore_rng_state(folder: Path, rank: int) -> bool:
 
 
 # ---------------------------------------------------------------------------- resume checks
-
-
-def _hash_array(value: Any) -> str:
-    """JSON stand-in for a tensor or array inside an encoded row (media features)."""
-    array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-    return hashlib.sha256(array.tobytes()).hexdigest()
-
-
-def rows_fingerprint(rows: list[dict]) -> str:
-    """A hash of encoded rows held as Python lists (the list path; the cached path's
-    fingerprint is `data.cache.data_fingerprint`)."""
-    data = hashlib.sha256()
-    for row in rows:
-        data.update(json.dumps(row, sort_keys=True, default=_hash_array).encode())
-    return data.hexdigest()[:16]
 
 
 def fingerprints(data_path: str, *, tokenizer: str, data: str) -> dict[str, str]:

@@ -41,7 +41,8 @@ import torch
 
 from align_anything import rewards as reward_fns
 from align_anything.backend import distributed as comm
-from align_anything.data import IGNORE_INDEX, DataReport
+from align_anything.data import IGNORE_INDEX
+from align_anything.data.encode import Encoding
 from align_anything.data.layouts import (
     PrefixGroup,
     collate_shared_prefix,
@@ -49,7 +50,6 @@ from align_anything.data.layouts import (
     supports_shared_prompt,
 )
 from align_anything.data.media import MEDIA_KEYS
-from align_anything.data.prompts import encode_prompts
 from align_anything.errors import ConfigError, UserError
 from align_anything.forward import completion_token_logps, shared_prefix_token_logps
 from align_anything.trainers import checkpoints, generation, reference
@@ -108,15 +108,14 @@ class OnlineTrainer(Trainer):
         # Before any weights: a misspelt reward function fails in seconds.
         self.reward_functions = reward_fns.load_reward_functions(self.cfg.reward.functions)
 
-    def encode(self, records: list[dict], *, split: str) -> tuple[list[dict], DataReport]:
-        """Prompt rows (`data.prompts`); a prompt leaves room for `max_completion_length`
-        tokens within `data.max_length` (longer ones dropped, or, with a truncating
-        `data.truncation`, cut at the start)."""
+    def encoding(self) -> Encoding:
+        """Prompt rows (`data.prompts`), cached like every task's; a prompt leaves room for
+        `max_completion_length` tokens within `data.max_length` (longer ones dropped, or,
+        with a truncating `data.truncation`, cut at the start)."""
         data = self.cfg.data
-        return encode_prompts(
-            records, self.tokenizer,
-            max_prompt_length=data.max_length - self.rl.max_completion_length,
-            truncation="drop" if data.truncation == "drop" else "keep_end",
+        return Encoding(
+            "prompt", max_prompt_length=data.max_length - self.rl.max_completion_length,
+            prompt_truncation="drop" if data.truncation == "drop" else "keep_end",
         )  # fmt: skip
 
     def _plan_steps(self) -> None:
