@@ -208,6 +208,20 @@ def shared_prefix_logps(
     With `completion_only`, the LM head runs only at the predicting positions (transformers'
     `logits_to_keep` mask); otherwise on every position, and the needed rows are picked after.
     """
+    token_logps = shared_prefix_token_logps(model, batch, completion_only=completion_only)
+    sequences = batch["score_sequences"]
+    num_sequences = int(batch["num_sequences"])
+    sums = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
+    counts = torch.zeros(num_sequences, dtype=torch.long, device=token_logps.device)
+    counts.index_add_(0, sequences, torch.ones_like(sequences))
+    return sums.index_add(0, sequences, token_logps), counts
+
+
+def shared_prefix_token_logps(
+    model: Any, batch: Mapping[str, Tensor], *, completion_only: bool
+) -> Tensor:
+    """The log-prob of every scored token of a `collate_shared_prefix` batch, flat, in the
+    batch's `score_targets` order (`score_sequences` says whose each is)."""
     input_ids = batch["input_ids"]
     positions = batch["score_positions"]
     kwargs = {
@@ -225,13 +239,7 @@ def shared_prefix_logps(
     else:
         logits = model(**kwargs).logits
         logits = logits.reshape(-1, logits.shape[-1])[positions]
-    token_logps = selected_token_logps(logits, batch["score_targets"])
-    sequences = batch["score_sequences"]
-    num_sequences = int(batch["num_sequences"])
-    sums = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
-    counts = torch.zeros(num_sequences, dtype=torch.long, device=token_logps.device)
-    counts.index_add_(0, sequences, torch.ones_like(sequences))
-    return sums.index_add(0, sequences, token_logps), counts
+    return selected_token_logps(logits, batch["score_targets"])
 
 
 def sequence_scores(model: Any, batch: Mapping[str, Any]) -> Tensor:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
-from conftest import COMMON, REPO_ROOT, RunResult, launch
+from conftest import COMMON, REPO_ROOT, RunResult, finish, launch, spawn
 
 from align_anything.trainers import checkpoints
 
@@ -83,7 +84,8 @@ def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
             launcher="deepspeed",
             nproc=2,
         ),
-        # 1 rank, 2 micro-batches of 4 (accumulation), every speed switch off.
+        # 1 rank, 2 micro-batches of 4 (accumulation), every speed switch off (the others run
+        # each prompt's completions as one shared-prompt row).
         "accum-plain": launch(
             [
                 *GRPO_ARGS,
@@ -92,6 +94,7 @@ def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
                 "train.gradient_accumulation_steps=2",
                 "speed.completion_only_logits=false",
                 "speed.tied_grads_in_place=false",
+                "speed.share_prefix=false",
                 "grpo.eval_samples=1",
             ],
             root / "accum",
@@ -127,6 +130,7 @@ def test_grpo_trains_against_frozen_losses(grpo_runs: dict[str, RunResult]) -> N
         assert {"eval/reward", "eval/rewards/length_penalty", "eval/completion_length",
                 "eval/generation_check"} <= set(line)  # fmt: skip
     assert run.summary_line("reference").startswith("frozen copy")
+    assert "prompt + completions" in run.summary_line("rows")
     assert run.losses() == pytest.approx(GRPO_FROZEN, rel=FROZEN_RTOL, abs=1e-7)
     assert [m["reward"] for m in steps] == pytest.approx(GRPO_FROZEN_REWARDS, abs=1e-7)
 
@@ -160,6 +164,31 @@ def test_grpo_resume_generates_the_same_completions(
     for a, b in zip(got, single.train_steps()[2:], strict=True):
         assert a["reward"] == b["reward"]
         assert a["completions/mean_length"] == b["completions/mean_length"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
+
+
+def test_grpo_sigterm_writes_a_checkpoint_and_resume_continues_the_same_run(
+    grpo_runs: dict[str, RunResult], tmp_path: Path
+) -> None:
+    """SIGTERM after the first logged step: the step finishes, a checkpoint is written, exit
+    143; resume=auto then generates the same completions as the uninterrupted run."""
+    from test_fault_tolerance import _wait_for_step
+
+    single = grpo_runs["single"].check()
+    args = [*GRPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8"]
+    run_dir = tmp_path / "run"
+    proc = spawn(args, run_dir)
+    _wait_for_step(proc, run_dir, 1)
+    proc.send_signal(signal.SIGTERM)
+    stopped = finish(proc, run_dir)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.output[-3000:]
+    at = max(m["step"] for m in stopped.train_steps())
+    assert at < STEPS and checkpoints.verify(run_dir / "checkpoints" / f"step-{at}") is None
+    resumed = launch([*args, "resume=auto"], run_dir).check()
+    steps = [m for m in resumed.metrics if "phase" not in m]
+    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    for a, b in zip(steps, single.train_steps(), strict=True):
+        assert a["reward"] == b["reward"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
 
 

@@ -42,17 +42,25 @@ import torch
 from align_anything import rewards as reward_fns
 from align_anything.backend import distributed as comm
 from align_anything.data import IGNORE_INDEX, DataReport
+from align_anything.data.layouts import (
+    PrefixGroup,
+    collate_shared_prefix,
+    mask_dtype,
+    supports_shared_prompt,
+)
 from align_anything.data.media import MEDIA_KEYS
 from align_anything.data.prompts import encode_prompts
 from align_anything.errors import ConfigError, UserError
-from align_anything.forward import completion_token_logps
-from align_anything.trainers import generation, reference
+from align_anything.forward import completion_token_logps, shared_prefix_token_logps
+from align_anything.trainers import checkpoints, generation, reference
 from align_anything.trainers.base import Trainer
 from align_anything.trainers.batching import step_indices
 from align_anything.trainers.reward_model import RewardModel
 from align_anything.trainers.rollout import HFGenerate, Sampling
 from align_anything.trainers.tracking import StepResult, completions_table
 
+# Where a micro-batch keeps its shared-prompt layout (`data.layouts`).
+SHARED = "shared_"
 # Prompt seeds: (train.seed, round, prompt row) mixed into one integer.
 _PRIME = 1_000_000_007
 
@@ -83,6 +91,9 @@ class OnlineTrainer(Trainer):
     """The shared online-RL step; subclasses give the advantages and the loss."""
 
     record_kind: ClassVar[str] = "prompt"
+    # The loss's items are tokens for dapo: no samples_per_second (generation/* and
+    # train/tokens_per_second give the throughput).
+    count_unit: ClassVar[str] = "tokens"
     # Whether the old policy's log-probs are needed at generation time beyond μ > 1.
     needs_old_logps_for_reward: ClassVar[bool] = False
 
@@ -177,6 +188,15 @@ class OnlineTrainer(Trainer):
             + (", ZeRO-3 parameters gathered once per round" if self.engine.zero_stage == 3 else ""),
         ]  # fmt: skip
         self._round: Round | None = None
+        # Text models whose attention takes a dense mask (`data.layouts`).
+        self.share_prefix = self.cfg.speed.share_prefix and supports_shared_prompt(
+            self.engine.module.config
+        )
+        if self.share_prefix:
+            self.summary_lines.append(
+                "  rows            the completions of a prompt in a micro-batch as one row "
+                "prompt + completions (speed.share_prefix)"
+            )
 
     # ------------------------------------------------------------------ a round
 
@@ -226,9 +246,31 @@ class OnlineTrainer(Trainer):
             labels[b, len(prompt) : len(ids)] = torch.tensor(completion, dtype=torch.long)
             if not (drop and row["truncated"]):
                 mask[b, : len(completion)] = 1.0
-        return {"input_ids": input_ids, "attention_mask": attention, "labels": labels,
-                "loss_mask": mask,
-                "truncated": torch.tensor([r["truncated"] for r in rows])}  # fmt: skip
+        batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels,
+                 "loss_mask": mask,
+                 "truncated": torch.tensor([r["truncated"] for r in rows])}  # fmt: skip
+        if self.share_prefix:
+            batch.update({SHARED + k: v for k, v in self._shared_layout(rows).items()})
+        return batch
+
+    def _shared_layout(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """The micro-batch's completions of one prompt as one row `prompt + c_1 + … + c_k`
+        (`data.layouts`): the prompt, most of each sequence in chat data, runs once per group
+        instead of once per completion. Groups are consecutive rows, so the scored tokens come
+        out in row order (what `_token_logps` relies on)."""
+        groups: list[PrefixGroup] = []
+        for index, row in enumerate(rows):
+            if groups and rows[index - 1]["row"] == row["row"]:
+                groups[-1].suffixes.append(list(row["completion_ids"]))
+                groups[-1].suffix_labels.append(list(row["completion_ids"]))
+                groups[-1].sequence_ids.append(index)
+            else:
+                ids = list(row["completion_ids"])
+                groups.append(PrefixGroup(list(row["prompt_ids"]), [ids], [list(ids)], [index]))
+        return collate_shared_prefix(
+            groups, num_sequences=len(rows), pad_id=self.tokenizer.pad_token_id,
+            additive_mask_dtype=mask_dtype(self.engine.module),
+        )  # fmt: skip
 
     def collate_with_media(self, rows: list[dict]) -> dict[str, Any]:
         batch = self.collate(rows)
@@ -237,9 +279,22 @@ class OnlineTrainer(Trainer):
         return batch
 
     def _token_logps(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """[B, C] per-token completion log-probs, padded to the loss mask's width."""
-        logps = completion_token_logps(model, batch, completion_only=self.completion_only_logits)
+        """[B, C] per-token completion log-probs, padded to the loss mask's width; from the
+        shared-prompt layout where the batch has one."""
+        only = self.completion_only_logits
         width = batch["loss_mask"].shape[1]
+        shared = {k.removeprefix(SHARED): v for k, v in batch.items() if k.startswith(SHARED)}
+        if shared:
+            flat = shared_prefix_token_logps(model, shared, completion_only=only)
+            lengths = torch.bincount(
+                shared["score_sequences"], minlength=int(shared["num_sequences"])
+            )
+            slots = (
+                torch.arange(width, device=flat.device)[None, :] < lengths.to(flat.device)[:, None]
+            )
+            out = torch.zeros(lengths.shape[0], width, dtype=flat.dtype, device=flat.device)
+            return out.masked_scatter(slots, flat)
+        logps = completion_token_logps(model, batch, completion_only=only)
         if logps.shape[1] < width:
             logps = torch.nn.functional.pad(logps, (0, width - logps.shape[1]))
         return logps
@@ -318,8 +373,11 @@ class OnlineTrainer(Trainer):
         error: str | None = None
         total: list[float] = []
         per: dict[str, list[float]] = {}
+        prompts = [row["prompt"] for row in rows]
+        # The reward model first: its forward is collective under ZeRO-3, so every rank runs
+        # it, also when a reward function on this rank is about to fail.
+        scores = self.reward_model.score(prompts, texts) if self.reward_model else None
         try:
-            prompts = [row["prompt"] for row in rows]
             count = len(self.reward_functions)
             total, per = [math.nan] * len(texts), {}
             if count:
@@ -328,8 +386,7 @@ class OnlineTrainer(Trainer):
                     completions=texts, fields=row_fields(rows), row_ids=row_ids,
                 )  # fmt: skip
                 total, per = scored.tolist(), {k: v.tolist() for k, v in by_name.items()}
-            if self.reward_model is not None:
-                scores = self.reward_model.score(prompts, texts)
+            if scores is not None:
                 per["reward_model"] = scores
                 weight = self.reward_weights[count]
                 total = [s * weight if math.isnan(t) else t + s * weight
@@ -338,14 +395,12 @@ class OnlineTrainer(Trainer):
             error = str(err)
         errors = [e for e in comm.all_gather_objects(error) if e]
         if errors:
-            where = f" in step {step + 1}" if step is not None else " in evaluation"
-            good = None
-            if step is not None:
-                from align_anything.trainers import checkpoints
-
-                good = checkpoints.last_complete(self.output_dir / "checkpoints", self.run_id)
+            if step is None:
+                raise UserError(f"reward in the held-out evaluation failed: {errors[0]}")
+            good = checkpoints.last_complete(self.output_dir / "checkpoints", self.run_id)
             raise UserError(
-                f"reward{where} failed, before that step's optimizer update: {errors[0]}"
+                f"reward in step {step + 1} failed, before that step's optimizer update: "
+                f"{errors[0]}"
                 + (
                     f"\nThe last complete checkpoint, {good}, is intact (resume=auto)."
                     if good

@@ -85,7 +85,11 @@ def memory_plan(t: Trainer) -> str:
     shares = [f"model states {estimate.model_states / gib:.2f}"]
     if estimate.reference:
         shares.append(f"reference {estimate.reference / gib:.2f}")
-    shares.append(f"activations {estimate.activations / gib:.2f}")
+    if estimate.generation:  # online RL: generation and the training forward do not overlap
+        shares.append(f"max(activations {estimate.activations / gib:.2f}, generation "
+                      f"{estimate.generation / gib:.2f})")  # fmt: skip
+    else:
+        shares.append(f"activations {estimate.activations / gib:.2f}")
     host = f", host {estimate.host / gib:.2f} GiB per node" if estimate.host else ""
     return (
         f"≈ {estimate.total / gib:.2f} GiB per device = {' + '.join(shares)} "
