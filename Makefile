@@ -1,5 +1,6 @@
 # Two commands do everything on a fresh machine:
 #   make train   set up, then run the main job (DPO on the built-in model and data)
+#   make train-grpo  set up, then run the RL main job (GRPO on the built-in model and prompts)
 #   make test    set up, then run the test suite (what CI runs)
 # and while developing:
 #   make test-fast   set up, then run the unit tests only (no end-to-end runs; under 2 minutes)
@@ -9,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test test-fast lint bench clean
+.PHONY: setup train train-grpo test test-fast lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -38,6 +39,12 @@ RUN_DIR ?= outputs/dpo-$(shell date +%Y%m%d-%H%M%S)
 train: setup
 	$(PY) -m align_anything.train task=dpo deepspeed=z3 output_dir=$(RUN_DIR)
 
+# The RL main job: GRPO with the exact-answer reward (`make train` stays the DPO main job).
+GRPO_RUN_DIR ?= outputs/grpo-$(shell date +%Y%m%d-%H%M%S)
+
+train-grpo: setup
+	$(PY) -m align_anything.train task=grpo deepspeed=z3 output_dir=$(GRPO_RUN_DIR)
+
 # `make test` runs everything; `make test-fast` leaves out the tests marked slow (end-to-end runs
 # of the trainer, the launchers and the scripts). Collecting no tests (pytest's exit 5) fails.
 test-fast: PYTEST_ARGS = -m "not slow"
@@ -52,6 +59,7 @@ bench: setup
 	$(PY) benchmarks/sft_vs_trl.py
 	$(PY) benchmarks/kto_vs_trl.py
 	$(PY) benchmarks/sft_packing.py
+	$(PY) benchmarks/grpo_vs_trl.py
 
 lint: setup
 	$(VENV)/bin/ruff check align_anything tests benchmarks

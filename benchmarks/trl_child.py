@@ -3,12 +3,16 @@ sft_vs_trl.py in its own process, so that its peak RSS is its own).
 
     python benchmarks/trl_child.py SPEC.json
 
-SPEC holds: task (dpo|sft|kto), model_path, rows_path (JSONL in the order to train on), batch,
+SPEC holds: task (dpo|sft|kto|grpo|grpo_score), model_path, rows_path (JSONL in the order to train on), batch,
 steps, max_length, learning_rate, adam betas/eps, weight_decay, max_grad_norm, seed,
 gradient_checkpointing, output_dir; beta (DPO, KTO); for DPO optionally loss_type (a list;
 default ["sigmoid"]), loss_weights, label_smoothing and discopop_tau; for KTO desirable_weight /
 undesirable_weight and precompute_ref_log_probs; for SFT optionally completion_only_loss
-(default true), packing (TRL's BFD, padding-free) and bin_order (the packed sequences' order).
+(default true), packing (TRL's BFD, padding-free) and bin_order (the packed sequences' order);
+for GRPO num_generations, max_completion_length,
+temperature, top_p, loss_type, beta, epsilon (rows: a `prompt` and the `answer` field, rewarded
+with align_anything's `arith_exact`); grpo_score scores the fixed completions of
+`completions_path` once through TRL's own log-prob and loss code (see grpo_vs_trl.py).
 Writes output_dir/result.json: per-step wall
 times (a callback around each optimizer step), the logged figures of every step, and the token
 length of every tokenised row (packed: every packed sequence's row lengths, in TRL's packing
@@ -137,6 +141,12 @@ def main(spec_path: str) -> None:
             ]
             for r in encoded
         ]
+    elif spec["task"] in ("grpo", "grpo_score"):
+        trainer, lengths = grpo_trainer(spec, model, tokenizer, dataset, timer)
+        if spec["task"] == "grpo_score":
+            result = grpo_score(trainer, spec)
+            (Path(spec["output_dir"]) / "result.json").write_text(json.dumps(result))
+            return
     else:
         from trl import SFTConfig, SFTTrainer
 
@@ -163,8 +173,85 @@ def main(spec_path: str) -> None:
     result = {
         "step_seconds": timer.step_seconds, "logs": logs, "token_lengths": lengths,
         "reference_seconds": sum(reference_seconds),
+        "generation": getattr(trainer, "_bench_generation", []),
     }  # fmt: skip
     (Path(spec["output_dir"]) / "result.json").write_text(json.dumps(result))
+
+
+def arith_exact_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list:
+    """align_anything's `arith_exact` on TRL's completions (message lists for conversational
+    prompts: the assistant turn's text)."""
+    from align_anything.rewards import arith_exact
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return arith_exact(prompts, texts, answer)
+
+
+def grpo_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, dataset: Any,
+                 timer: StepTimer) -> tuple[Any, list[list[int]]]:  # fmt: skip
+    """TRL's GRPOTrainer (HF generate, no vLLM) on the rows in the given order (no shuffling),
+    every generate call timed: (seconds, completion tokens, prompt + completion tokens)."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = {k: v for k, v in common_args(spec).items() if k not in ("max_length",
+            "train_sampling_strategy")}  # fmt: skip
+    config = GRPOConfig(
+        **args, num_generations=spec["num_generations"],
+        max_completion_length=spec["max_completion_length"], temperature=spec["temperature"],
+        top_p=spec["top_p"], top_k=0, loss_type=spec["loss_type"], beta=spec["beta"],
+        epsilon=spec["epsilon"], scale_rewards="group", shuffle_dataset=False, use_vllm=False,
+        num_iterations=1, log_completions=False,
+    )  # fmt: skip
+    generate = GRPOTrainer._generate_single_turn
+    timings: list[list[float]] = []
+
+    def timed_generate(self, prompt_ids, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        start = time.perf_counter()
+        out = generate(self, prompt_ids, *args, **kwargs)
+        completion = sum(len(c) for c in out[0])
+        prompt = sum(len(p) for p in prompt_ids)
+        timings.append([time.perf_counter() - start, completion, prompt + completion])
+        return out
+
+    GRPOTrainer._generate_single_turn = timed_generate
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=arith_exact_reward, args=config, train_dataset=dataset,
+        processing_class=tokenizer, callbacks=[timer],
+    )  # fmt: skip
+    trainer._bench_generation = timings
+    return trainer, []
+
+
+def grpo_score(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """Per-token log-probs and the loss of fixed completions through TRL's own code
+    (`_get_per_token_logps_and_entropies`, `compute_loss`), on the training-mode model."""
+    fixed = json.loads(Path(spec["completions_path"]).read_text())
+    pad = trainer.processing_class.pad_token_id
+    prompts, completions = fixed["prompt_ids"], fixed["completion_ids"]
+    width_p = max(map(len, prompts))
+    width_c = max(map(len, completions))
+    prompt_ids = torch.tensor([[pad] * (width_p - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts])
+    completion_ids = torch.tensor([c + [pad] * (width_c - len(c)) for c in completions])
+    completion_mask = torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for c in completions])
+    model = trainer.model
+    model.train()
+    logps, _, _ = trainer._get_per_token_logps_and_entropies(
+        model, torch.cat([prompt_ids, completion_ids], 1),
+        torch.cat([prompt_mask, completion_mask], 1), width_c,
+    )  # fmt: skip
+    inputs = {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor(fixed["advantages"], dtype=torch.float32),
+        "num_items_in_batch": completion_mask.sum().float(),
+    }  # fmt: skip
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train's loop otherwise
+    loss = trainer.compute_loss(model, inputs)
+    return {
+        "logps": [row[: len(c)] for row, c in zip(logps.tolist(), completions, strict=True)],
+        "loss": float(loss),
+    }
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import common  # noqa: E402
 import data_scale  # noqa: E402  (imports without TRL: TRL is imported in its child)
 import dpo_vs_trl  # noqa: E402
 import gpu_bench  # noqa: E402
+import grpo_vs_trl  # noqa: E402
 import kto_vs_trl  # noqa: E402
 import sft_packing  # noqa: E402
 import sft_vs_trl  # noqa: E402
@@ -151,3 +152,33 @@ def test_data_scale_rows_are_all_different_and_numbered(tmp_path: Path) -> None:
     table = data_scale.table({1000: {"ours": record, "cached": {**record, "seconds": 0.5},
                                      "trl": {**record, "seconds": 4.0}}})  # fmt: skip
     assert "| 1,000 | 2.0 | 0.50 | 4.0 | 0.50x | 0.125x | 150 / 150 / 150 | 50 / 50 |" in table
+
+
+def test_grpo_fixed_completions_scored_as_by_hand() -> None:
+    """The align_anything side of grpo_vs_trl's agreement check (TRL's side needs trl) against a
+    hand-written reference: log_softmax of the full forward at each completion position, and,
+    on-policy (ratio 1), the dapo loss -Σ advantage over completion tokens / their count."""
+    import torch
+
+    from align_anything.models.loading import load_model
+    from align_anything.models.zoo import resolve_model_path
+
+    fixed = grpo_vs_trl.fixed_completions("tiny-random-llama")
+    group = len(grpo_vs_trl.FIXED_ANSWERS)
+    assert len(fixed["completion_ids"]) == 2 * group
+    # Only the first answer of each group is exact: advantage (1 - 1/4) / std for it.
+    advantages = torch.tensor(fixed["advantages"]).view(2, group)
+    assert (advantages[:, 0] > 0).all() and (advantages[:, 1:] < 0).all()
+    ours = grpo_vs_trl.ours_score("tiny-random-llama", fixed)
+    net = load_model(resolve_model_path("tiny-random-llama"), dtype=torch.float32, reward=False)
+    tokens, weighted = 0, 0.0
+    for b, (prompt, completion) in enumerate(zip(fixed["prompt_ids"], fixed["completion_ids"],
+                                                 strict=True)):  # fmt: skip
+        with torch.no_grad():
+            logits = net(input_ids=torch.tensor([[*prompt, *completion]])).logits[0]
+        logp = torch.log_softmax(logits.double(), -1)
+        want = [float(logp[len(prompt) + j - 1, t]) for j, t in enumerate(completion)]
+        assert ours["logps"][b] == pytest.approx(want, abs=1e-5)
+        tokens += len(completion)
+        weighted += fixed["advantages"][b] * len(completion)
+    assert ours["loss"] == pytest.approx(-weighted / tokens, abs=1e-6)
