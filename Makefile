@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make train   set up, then run the main job (DPO on the built-in model and data)
-#   make train-grpo  set up, then run the RL main job (GRPO on the built-in model and prompts)
 #   make test    set up, then run the test suite (what CI runs)
+# and a third runs the RL main job:
+#   make train-grpo  set up, then run GRPO on the built-in model and prompts
 # and while developing:
 #   make test-fast   set up, then run the unit tests only (no end-to-end runs; under 2 minutes)
 PYTHON ?= python3
