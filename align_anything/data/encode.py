@@ -315,6 +315,13 @@ ENCODER_NAMES = {"sft": "encode_sft", "preference": "encode_preference",
 CUT_MEDIA = "truncation cut into media placeholder tokens"
 
 
+def cuts_media(row: Mapping[str, Any], media_token_ids: frozenset[int] | set[int]) -> bool:
+    """Whether truncation cut into an encoded row's media placeholders: the model needs one
+    placeholder token per media feature, `media_tokens` of them (0 for a row without media)."""
+    seq = row.get("input_ids", row.get("prompt_ids", []))
+    return sum(1 for t in seq if t in media_token_ids) != row.get("media_tokens", 0)
+
+
 @dataclass(frozen=True)
 class Encoding:
     """How a task turns records into rows, as plain data: it travels to the worker processes

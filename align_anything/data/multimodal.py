@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from align_anything.data.encode import IGNORE_INDEX
+from align_anything.data.encode import CUT_MEDIA, IGNORE_INDEX, cuts_media
 from align_anything.data.formats import DataReport, row_label
 from align_anything.data.media import (
     MEDIA_KEYS,
@@ -162,14 +162,11 @@ class MediaSupport:
         ids = {self.token_id(m) for m in self.modalities}
         kept = []
         for index, row in enumerate(rows):
-            seq = row.get("input_ids", row.get("prompt_ids", []))
-            if sum(1 for t in seq if t in ids) == row.get("media_tokens", 0):
+            if not cuts_media(row, ids):
                 kept.append(row)
             else:
                 # Encoded rows do not carry their record's source label.
-                report.drop(
-                    "truncation cut into media placeholder tokens", f"encoded row {index + 1}"
-                )
+                report.drop(CUT_MEDIA, f"encoded row {index + 1}")
         report.kept -= len(rows) - len(kept)
         return kept
 

@@ -36,6 +36,7 @@ from align_anything.data.encode import (
     ENCODED_COLUMNS,
     Encoding,
     check_encoding_arguments,
+    cuts_media,
     encode_record,
 )
 from align_anything.data.formats import (
@@ -387,10 +388,8 @@ def encode_batch(
         record = loads(text)
         try:
             row = _encode_one(record, encoding, tokenizer, max_length, truncation)
-            if media_token_ids:
-                seq = row.get("input_ids", row.get("prompt_ids", []))
-                if sum(1 for t in seq if t in media_token_ids) != row.get("media_tokens", 0):
-                    raise RowRejected(CUT_MEDIA)
+            if media_token_ids and cuts_media(row, media_token_ids):
+                raise RowRejected(CUT_MEDIA)
         except RowRejected as reason:
             for name in names:
                 out[name].append(None)
