@@ -1,12 +1,14 @@
 """Forward passes and log-probabilities: the one place a batch meets the model.
 
+- `sequence_logps(model, layout)`: summed log-probs of each sequence's scored tokens and their
+  counts, for every layout of `data.batches` (the one dispatch on the layout's type):
+  `completion_forward` for `Rows` and `Packed` (rows concatenated, position ids restarting at
+  each), `shared_prefix_logps` for `SharedPrefix`; with `completion_only`, the LM head runs only
+  where a scored token is predicted.
+- `sequence_token_logps(model, layout, width)`: the same per token, left-aligned [B, C]
+  (online RL's ratio, KL and loss are per token).
 - `token_logps` / `selected_token_logps` / `completion_logps`: log p of target tokens from
   logits, chunked over the sequence so the fp32 softmax never exists for the whole batch.
-- `completion_forward`: a plain batch (one row per sequence) or a packed one (`sft.packing`:
-  rows concatenated, position ids restarting at each) → summed completion log-probs and token
-  counts per row of the batch; with `completion_only`, the LM head runs only where a scored
-  token is predicted.
-- `shared_prefix_logps`: the same for the shared-prefix layouts of `data.layouts`.
 - `sequence_scores`: a reward model's score per sequence.
 
 Label convention (shared with the data pipeline): `labels` has the shape of `input_ids`,
@@ -17,15 +19,14 @@ and the next-token shift happens here: `logits[:, t]` predicts `labels[:, t + 1]
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from align_anything.data.batches import Layout, Packed, Rows, SharedPrefix
 from align_anything.data.encode import IGNORE_INDEX
-from align_anything.data.multimodal import media_inputs
 from align_anything.models import lora
 
 # Sequence positions per chunk in `token_logps`. Peak extra memory is about
@@ -168,8 +169,36 @@ def supports_logits_to_keep(module: torch.nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
+def sequence_logps(model: Any, layout: Layout, *, completion_only: bool) -> tuple[Tensor, Tensor]:
+    """Summed log-probs of each sequence's scored tokens and their counts ([S], [S]), whatever
+    the layout: S rows of `Rows` (real rows only) or `Packed`, or `SharedPrefix`'s
+    `num_sequences` sequences."""
+    if isinstance(layout, SharedPrefix):
+        return shared_prefix_logps(model, layout, completion_only=completion_only)
+    return completion_forward(model, layout, completion_only=completion_only)
+
+
+def sequence_token_logps(
+    model: Any, layout: Rows | SharedPrefix, *, width: int, completion_only: bool
+) -> Tensor:
+    """[S, width] per-token log-probs of each sequence's completion, left-aligned (entry
+    (s, j): completion token j of sequence s; 0 past its end), from either layout of a
+    sequence's completion after its prompt."""
+    if isinstance(layout, SharedPrefix):
+        flat = shared_prefix_token_logps(model, layout, completion_only=completion_only)
+        lengths = torch.bincount(layout.score_sequences, minlength=layout.num_sequences)
+        lengths = lengths.to(flat.device)
+        slots = torch.arange(width, device=flat.device)[None, :] < lengths[:, None]
+        out = torch.zeros(lengths.shape[0], width, dtype=flat.dtype, device=flat.device)
+        return out.masked_scatter(slots, flat)
+    logps = completion_token_logps(model, layout, completion_only=completion_only)
+    if logps.shape[1] < width:
+        logps = torch.nn.functional.pad(logps, (0, width - logps.shape[1]))
+    return logps
+
+
 def completion_forward(
-    model: Any, batch: dict[str, torch.Tensor], *, completion_only: bool
+    model: Any, batch: Rows | Packed, *, completion_only: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs of each sequence's completion tokens and their counts ([B], [B]).
 
@@ -177,16 +206,16 @@ def completion_forward(
     prompt logits are never needed, and the vocabulary projection is a large share of a small
     model's FLOPs. The numbers equal the full path (same per-position maths).
     """
-    labels = batch["labels"]
-    # A multimodal batch may end with a dummy row (see MediaSupport.attach): cut it off here.
-    real = batch.get("real_rows", labels.shape[0])
-    inputs = {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        **media_inputs(batch),
-    }
-    if "position_ids" in batch:  # packed rows (sft.packing): restarting positions, no 2D mask
-        inputs.update(attention_mask=None, position_ids=batch["position_ids"], use_cache=False)
+    labels = batch.labels
+    if isinstance(batch, Packed):  # sft.packing: restarting positions, no 2D mask
+        real = labels.shape[0]
+        inputs = {"input_ids": batch.input_ids, "attention_mask": None,
+                  "position_ids": batch.position_ids, "use_cache": False}  # fmt: skip
+    else:
+        # A multimodal batch may end with a dummy row (see MediaSupport.attach): cut it off.
+        real = batch.num_real
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                  **batch.media}  # fmt: skip
     if not completion_only:
         logits = model(**inputs).logits
         sums, counts = completion_logps(logits, labels)
@@ -203,7 +232,7 @@ def completion_forward(
 
 
 def shared_prefix_logps(
-    model: Any, batch: Mapping[str, Tensor], *, completion_only: bool
+    model: Any, batch: SharedPrefix, *, completion_only: bool
 ) -> tuple[Tensor, Tensor]:
     """Summed log-probs of the scored tokens and their counts per sequence ([S], [S]; for DPO
     S = 2B: chosen of every pair, then rejected), from a `collate_shared_prefix` batch.
@@ -212,25 +241,23 @@ def shared_prefix_logps(
     `logits_to_keep` mask); otherwise on every position, and the needed rows are picked after.
     """
     token_logps = shared_prefix_token_logps(model, batch, completion_only=completion_only)
-    sequences = batch["score_sequences"]
-    num_sequences = int(batch["num_sequences"])
+    sequences = batch.score_sequences
+    num_sequences = batch.num_sequences
     sums = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
     counts = torch.zeros(num_sequences, dtype=torch.long, device=token_logps.device)
     counts.index_add_(0, sequences, torch.ones_like(sequences))
     return sums.index_add(0, sequences, token_logps), counts
 
 
-def shared_prefix_token_logps(
-    model: Any, batch: Mapping[str, Tensor], *, completion_only: bool
-) -> Tensor:
+def shared_prefix_token_logps(model: Any, batch: SharedPrefix, *, completion_only: bool) -> Tensor:
     """The log-prob of every scored token of a `collate_shared_prefix` batch, flat, in the
     batch's `score_targets` order (`score_sequences` says whose each is)."""
-    input_ids = batch["input_ids"]
-    positions = batch["score_positions"]
+    input_ids = batch.input_ids
+    positions = batch.score_positions
     kwargs = {
         "input_ids": input_ids,
-        "attention_mask": batch["shared_prefix_mask"],
-        "position_ids": batch["position_ids"],
+        "attention_mask": batch.shared_prefix_mask,
+        "position_ids": batch.position_ids,
     }
     if completion_only:
         keep = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)
@@ -242,33 +269,25 @@ def shared_prefix_token_logps(
     else:
         logits = model(**kwargs).logits
         logits = logits.reshape(-1, logits.shape[-1])[positions]
-    return selected_token_logps(logits, batch["score_targets"])
+    return selected_token_logps(logits, batch.score_targets)
 
 
-def sequence_scores(model: Any, batch: Mapping[str, Any]) -> Tensor:
+def sequence_scores(model: Any, batch: Rows) -> Tensor:
     """A reward model's score of each sequence ([B] fp32), read by the model at its last real
     token; a multimodal batch's dummy row (see `MediaSupport.attach`) is cut off."""
-    output = model(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **media_inputs(batch)
-    )
-    return output.logits.squeeze(-1).float()[: batch.get("real_rows", output.logits.shape[0])]
+    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **batch.media)
+    return output.logits.squeeze(-1).float()[: batch.num_real]
 
 
-def completion_token_logps(
-    model: Any, batch: dict[str, torch.Tensor], *, completion_only: bool
-) -> torch.Tensor:
+def completion_token_logps(model: Any, batch: Rows, *, completion_only: bool) -> torch.Tensor:
     """Per-token log-probs of each sequence's completion, left-aligned: [B, C] where C is the
     longest completion of the batch and entry (b, j) is log p of completion token j of row b (0
     past its end). Online RL's ratio, KL and loss are per token. The batch is a plain one
     (`labels` = the completion ids after the prompt, IGNORE_INDEX elsewhere) whose completions
     are contiguous; a multimodal batch's dummy row (see `MediaSupport.attach`) is cut off."""
-    labels = batch["labels"]
-    real = batch.get("real_rows", labels.shape[0])
-    inputs = {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        **media_inputs(batch),
-    }
+    labels = batch.labels
+    real = batch.num_real
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, **batch.media}
     # Position t is kept when it predicts a scored token t+1 (row-major: each row's completion
     # tokens in order, so they land left-aligned in the [B, C] result below).
     keep = torch.zeros_like(labels, dtype=torch.bool)

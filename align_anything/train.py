@@ -2,6 +2,12 @@
 
 Works as a plain process, under torchrun, and under the deepspeed launcher (which appends
 `--local_rank=N`; the rank is read from the environment instead).
+
+A run, top to bottom (`run`): the config is validated (every mistake at once, before torch is
+imported) → `training.setup.setup` makes the `Run` (process group, output folder, model side,
+data, DeepSpeed plan, engines, resume) → the task's `build` makes the task and its step source
+→ logging starts (the start-up summary) → `training.loop.train` → `training.finish`: the
+exported model, the closing summary.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-USAGE = """usage: python -m align_anything.train [task=sft|dpo|rm] [deepspeed=z0|z2|z3|z3_offload|PATH.json] [key=value ...]
+USAGE = """usage: python -m align_anything.train [task=sft|dpo|rm|kto|grpo|rloo] [deepspeed=z0|z2|z3|z3_offload|PATH.json] [key=value ...]
 
 Examples:
   python -m align_anything.train task=dpo deepspeed=z3
@@ -37,29 +43,29 @@ def strip_launcher_args(argv: Sequence[str]) -> list[str]:
 
 
 def run(overrides: Sequence[str]) -> None:
-    """Validate the config, then set up, train, export and clean up."""
+    """Validate the config, then set up, build the task, train, export."""
     from align_anything.config import load_config
-    from align_anything.trainers.preemption import StopRequest
 
-    cfg = load_config(overrides)  # every config mistake surfaces here, before any import of torch
-    from align_anything.errors import Preempted
-    from align_anything.trainers import REGISTRY
+    # Every config mistake surfaces here, before the heavy imports below (torch, deepspeed).
+    cfg = load_config(overrides)
+    from contextlib import ExitStack
 
-    trainer = REGISTRY[cfg.task](cfg)
-    status = "failed"
-    try:
-        trainer.setup()
+    from align_anything.tasks import TASKS
+    from align_anything.training import finish, loop, setup
+    from align_anything.training.preemption import StopRequest
+
+    spec = TASKS[cfg.task]
+    # Each set-up step registers its own clean-up here (process group, lock, run.json status,
+    # metrics sinks): whatever was reached is undone in reverse order, also after an error.
+    with ExitStack() as stack:
+        run_ = setup.setup(cfg, spec, stack)
+        task, source = spec.build(run_)
+        setup.start_logging(run_, stack, task=cfg.task)
         # SIGTERM/SIGINT during the step loop: finish the step, write a checkpoint, stop.
-        with StopRequest(announce=trainer.dist.is_main) as stop:
-            trainer.stop_request = stop
-            trainer.train()
-        trainer.save()
-        status = "complete"
-    except Preempted:
-        status = "stopped"
-        raise
-    finally:
-        trainer.cleanup(status)  # run.json records how the run ended
+        with StopRequest(announce=run_.dist.is_main) as stop:
+            loop.train(run_, task, source, stop)
+        finish.save_final(run_)
+        finish.report_finished(run_, task)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout, with or without an installed package
 
 from align_anything.data.builtin import builtin_path  # noqa: E402
-from align_anything.trainers.batching import step_indices  # noqa: E402
+from align_anything.training.batching import step_indices  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 SEED = 42

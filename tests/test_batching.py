@@ -9,7 +9,7 @@ from conftest import HH_FILE
 from align_anything.data import encode_preference, load_records
 from align_anything.models.loading import load_tokenizer
 from align_anything.models.zoo import resolve_model_path
-from align_anything.trainers.batching import (
+from align_anything.training.batching import (
     group_by_length,
     rank_micro_batches,
     row_tokens,

@@ -22,7 +22,7 @@ import sft_packing  # noqa: E402
 import sft_vs_trl  # noqa: E402
 import trl_child  # noqa: E402, F401  (imports without TRL: TRL is imported inside main)
 
-from align_anything.trainers.batching import step_indices  # noqa: E402
+from align_anything.training.batching import step_indices  # noqa: E402
 
 
 def test_training_order_is_the_trainers_step_batches() -> None:

@@ -23,7 +23,7 @@ from align_anything.config import load_config
 from align_anything.errors import ConfigError
 from align_anything.losses import dpo_loss
 from align_anything.losses import preference as losses_module
-from align_anything.trainers.batching import rank_step_rows
+from align_anything.training.batching import rank_step_rows
 
 LN2 = math.log(2.0)
 BETA = 0.1  # the task default, which the runs below keep

@@ -14,7 +14,7 @@ import torch
 from align_anything.config import load_config
 from align_anything.errors import ConfigError
 from align_anything.train import main
-from align_anything.trainers.rollout import GumbelSampler, HFGenerate, Sampling, cut_at_stop
+from align_anything.training.rollout import GumbelSampler, HFGenerate, Sampling, cut_at_stop
 
 TINY = "model.name_or_path=tiny-random-llama"
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import COMMON, REPO_ROOT, RunResult, finish, launch, spawn
 
-from align_anything.trainers import checkpoints
+from align_anything.training import checkpoints
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,7 @@ from align_anything.forward import completion_forward
 from align_anything.models.loading import load_model, load_processor
 from align_anything.models.zoo import resolve_model_path
 from align_anything.train import main
-from align_anything.trainers.batching import step_indices
+from align_anything.training.batching import step_indices
 
 # Hub offline, no inherited rank variables (in-process calls; launches set their own env).
 pytestmark = pytest.mark.usefixtures("in_process_offline")

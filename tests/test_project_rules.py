@@ -105,7 +105,8 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"models": ("models",), "rewards": ("rewards",)},
     {"forward": ("forward",)},
     {"plan": ("plan",)},
-    {"trainers": ("trainers",)},
+    {"training": ("training",)},
+    {"tasks": ("tasks",)},
     {"entry": ("train", "tools", "__main__")},
 ]
 
@@ -201,12 +202,13 @@ def test_cycle_detector(graph: dict[str, set[str]], expected: int, monkeypatch) 
         test_no_import_cycle()
 
 
-def test_trainer_registry_matches_task_files() -> None:
-    from align_anything.trainers import REGISTRY
+def test_task_registry_matches_task_files() -> None:
+    from align_anything.tasks import TASKS
 
     task_names = {path.stem for path in TASK_FILES}
     assert task_names, "no task config files found"
-    assert set(REGISTRY) == task_names
+    assert set(TASKS) == task_names
+    assert all(spec.name == name for name, spec in TASKS.items())
     assert set(config_module.TASK_SECTIONS) == task_names
     assert set(config_module.available_tasks()) == task_names
 

@@ -203,7 +203,7 @@ def test_prompt_fields_leave_out_the_prompt_source_and_media() -> None:
 def test_builtin_prompt_sets() -> None:
     from align_anything.data.builtin import PROMPT_HINT, generate
     from align_anything.rewards import arith_exact
-    from align_anything.trainers.generation import PROPERTY_CHECKS
+    from align_anything.training.generation import PROPERTY_CHECKS
 
     generated = generate()
     questions = {}

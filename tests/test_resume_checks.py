@@ -16,7 +16,7 @@ from conftest import FINISHED_ARGS, RunResult, copy_run, launch, snapshot, tail
 
 from align_anything.backend import universal
 from align_anything.train import main
-from align_anything.trainers import checkpoints
+from align_anything.training import checkpoints
 
 # End to end: every test here launches the real trainer (conftest.launch) or works on a copy
 # of conftest.finished_run, which does.

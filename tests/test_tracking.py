@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import TINY_MODEL, RunResult, launch
 
-from align_anything.trainers.tracking import Progress
+from align_anything.training.tracking import Progress
 
 STEPS = 4
 

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
+from align_anything import errors
 from align_anything.backend import zero_init
-from align_anything.errors import ConfigError, UserError
+from align_anything.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -185,16 +186,35 @@ def sum_metrics(
 T = TypeVar("T")
 
 
-def decide_on_main(decide: Callable[[], T]) -> T:
-    """Run `decide` on rank 0 and give every rank its result, or its UserError as a
-    ConfigError on every rank (each must leave with the message, not wait for rank 0)."""
-    outcome: tuple[str | None, Any] = (None, None)
-    if dist_info().is_main:
+def fail_together(work: Callable[[], T] | None, *, what: str) -> T | None:
+    """Run `work` where a rank has it (None: this rank has nothing to do, it only waits) and
+    make every rank learn whether any rank failed, so that all stop with one message instead
+    of the others waiting for a rank that left: a `UserError` on any rank is raised on every
+    rank (its class and message, the first failing rank's); any other exception stops the
+    other ranks with "<what> failed on rank N" while its own rank shows the traceback.
+    Returns `work`'s result (None where there was no work). Collective."""
+    result, failure, crash = None, None, None
+    if work is not None:
         try:
-            outcome = (None, decide())
+            result = work()
         except UserError as err:
-            outcome = (str(err), None)
-    error, value = broadcast_object(outcome)
-    if error:
-        raise ConfigError(error)
-    return value
+            failure = (type(err).__name__, str(err))
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the others know
+            failure, crash = ("crash", f"{what} failed on rank {dist_info().rank}"), err
+    outcomes = all_gather_objects(failure)
+    if crash is not None:
+        raise crash
+    for outcome in outcomes:
+        if outcome is not None:
+            kind, message = outcome
+            if kind == "crash":
+                raise UserError(message)
+            raise getattr(errors, kind, UserError)(message)
+    return result
+
+
+def decide_on_main(decide: Callable[[], T]) -> T:
+    """Run `decide` on rank 0 and give every rank its result, or its UserError on every rank
+    (each must leave with the message, not wait for rank 0; see `fail_together`)."""
+    value = fail_together(decide if dist_info().is_main else None, what="a decision on rank 0")
+    return broadcast_object(value)

@@ -206,14 +206,17 @@ class Engine:
     def skipped_steps(self) -> int:
         return int(getattr(self.engine, "skipped_steps", 0))
 
-    def save_checkpoint(self, directory: Path, client_state: dict[str, Any]) -> None:
-        """DeepSpeed checkpoint (model, optimizer, scheduler, partitioned on every rank)."""
-        self.engine.save_checkpoint(str(directory), tag="deepspeed", client_state=client_state)
+    def save_checkpoint(
+        self, directory: Path, client_state: dict[str, Any], *, tag: str = "deepspeed"
+    ) -> None:
+        """DeepSpeed checkpoint (model, optimizer, scheduler, partitioned on every rank) in
+        `directory/tag`."""
+        self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
 
-    def load_checkpoint(self, directory: Path) -> dict[str, Any]:
-        """Load `directory/deepspeed`, or `directory/universal` when the engine was built with
+    def load_checkpoint(self, directory: Path, *, tag: str = "deepspeed") -> dict[str, Any]:
+        """Load `directory/tag`, or `directory/universal` when the engine was built with
         `load_universal` (a checkpoint of another ZeRO stage or world size)."""
-        tag = UNIVERSAL_TAG if self.load_universal else "deepspeed"
+        tag = UNIVERSAL_TAG if self.load_universal else tag
         # DeepSpeed's ZeRO-3 universal load copies the first group's hyperparameters onto every
         # group (the no-decay group would get the decay group's weight_decay); they come from
         # this run's config anyway, so put them back. The learning rate is the scheduler's.

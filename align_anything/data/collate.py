@@ -13,13 +13,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from align_anything.data.batches import Rows
 from align_anything.data.encode import IGNORE_INDEX
 from align_anything.errors import DataError
 
 
-def _pad(
+def pad_rows(
     sequences: Sequence[Sequence[int]], label_sequences: Sequence[Sequence[int]], pad_id: int
-) -> dict[str, Tensor]:
+) -> Rows:
+    """Right-pad token sequences and their labels into one `Rows` batch."""
     if not sequences:
         raise ValueError("cannot collate an empty batch")
     if not isinstance(pad_id, int):
@@ -36,54 +38,49 @@ def _pad(
         input_ids[i, :n] = torch.tensor(ids, dtype=torch.long)
         attention_mask[i, :n] = 1
         labels[i, :n] = torch.tensor(row_labels, dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return Rows(input_ids, attention_mask, labels)
 
 
-def collate_sft(rows: list[Mapping[str, Any]], *, pad_id: int) -> dict[str, Tensor]:
+def collate_sft(rows: list[Mapping[str, Any]], *, pad_id: int) -> Rows:
     """Batch `encode_sft` rows: `input_ids`, `attention_mask`, `labels`, each [B, T]; padding
     is `pad_id` in `input_ids`, 0 in `attention_mask` and -100 in `labels`."""
-    return _pad([r["input_ids"] for r in rows], [r["labels"] for r in rows], pad_id)
+    return pad_rows([r["input_ids"] for r in rows], [r["labels"] for r in rows], pad_id)
 
 
-def collate_preference(rows: list[Mapping[str, Any]], *, pad_id: int) -> dict[str, Tensor]:
+def collate_preference(rows: list[Mapping[str, Any]], *, pad_id: int) -> Rows:
     """Batch `encode_preference` rows into 2B sequences: rows 0..B-1 are prompt + chosen,
-    rows B..2B-1 prompt + rejected (same order). `labels` is -100 on prompt and padding.
-    Adds `margin` [B] (float32) when the rows carry one."""
+    rows B..2B-1 prompt + rejected (same order). `labels` is -100 on prompt and padding."""
     sequences, labels = [], []
     for key in ("chosen_ids", "rejected_ids"):
         for row in rows:
             prompt, completion = list(row["prompt_ids"]), list(row[key])
             sequences.append(prompt + completion)
             labels.append([IGNORE_INDEX] * len(prompt) + completion)
-    batch = _pad(sequences, labels, pad_id)
+    return pad_rows(sequences, labels, pad_id)
+
+
+def collate_margins(rows: list[Mapping[str, Any]]) -> Tensor | None:
+    """The pairs' `margin` [B] (float32) when the rows carry one (a reward model's margin
+    column), None when none does; an error when only some do."""
     with_margin = [row.get("margin") is not None for row in rows]
-    if any(with_margin):
-        if not all(with_margin):
-            raise DataError(
-                f"{with_margin.count(False)} of {len(rows)} rows in a batch have no margin; "
-                "give every row a margin or none"
-            )
-        batch["margin"] = torch.tensor([float(row["margin"]) for row in rows], dtype=torch.float32)
-    return batch
+    if not any(with_margin):
+        return None
+    if not all(with_margin):
+        raise DataError(
+            f"{with_margin.count(False)} of {len(rows)} rows in a batch have no margin; "
+            "give every row a margin or none"
+        )
+    return torch.tensor([float(row["margin"]) for row in rows], dtype=torch.float32)
 
 
-def collate_unpaired(rows: list[Mapping[str, Any]], *, pad_id: int) -> dict[str, Tensor]:
-    """Batch `encode_unpaired` rows: B sequences prompt + completion (`input_ids`,
-    `attention_mask`, `labels` [B, T], -100 on prompt and padding) and `desirable` [B] (bool).
-    When the rows carry `kl_ids` (the completion each row's prompt is paired with for KTO's KL
-    estimate), also the B sequences prompt + kl_ids as `kl_input_ids`, `kl_attention_mask` and
-    `kl_labels` (padded to their own longest row)."""
-    batch = _pad(
-        [list(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows],
-        [[IGNORE_INDEX] * len(r["prompt_ids"]) + list(r["completion_ids"]) for r in rows],
+def collate_unpaired(
+    rows: list[Mapping[str, Any]], *, pad_id: int, completion: str = "completion_ids"
+) -> Rows:
+    """Batch `encode_unpaired` rows: B sequences prompt + `completion` (`input_ids`,
+    `attention_mask`, `labels` [B, T], -100 on prompt and padding). `completion="kl_ids"`
+    gives the sequences of KTO's KL estimate (each prompt with another row's completion)."""
+    return pad_rows(
+        [list(r["prompt_ids"]) + list(r[completion]) for r in rows],
+        [[IGNORE_INDEX] * len(r["prompt_ids"]) + list(r[completion]) for r in rows],
         pad_id,
     )
-    batch["desirable"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
-    if "kl_ids" in rows[0]:
-        kl = _pad(
-            [list(r["prompt_ids"]) + list(r["kl_ids"]) for r in rows],
-            [[IGNORE_INDEX] * len(r["prompt_ids"]) + list(r["kl_ids"]) for r in rows],
-            pad_id,
-        )
-        batch.update({f"kl_{key}": value for key, value in kl.items()})
-    return batch

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from align_anything.data.batches import SharedPrefix
 from align_anything.data.encode import IGNORE_INDEX
 
 # Attention implementations that accept a dense 4D mask as given.
@@ -70,7 +71,7 @@ def collate_shared_prefix(
     num_sequences: int,
     pad_id: int,
     additive_mask_dtype: torch.dtype | None,
-) -> dict[str, Tensor]:
+) -> SharedPrefix:
     """Batch prefix groups into one right-padded row each: `prefix + suffix_1 + suffix_2 + …`.
 
     A suffix attends to the prefix and to itself (causally), never to another suffix, and its
@@ -127,22 +128,19 @@ def collate_shared_prefix(
     if additive_mask_dtype is not None:
         mask = torch.zeros(allowed.shape, dtype=additive_mask_dtype)
         mask.masked_fill_(~allowed, torch.finfo(additive_mask_dtype).min)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "shared_prefix_mask": mask,
-        "score_positions": torch.tensor(positions, dtype=torch.long),
-        "score_targets": torch.tensor(targets, dtype=torch.long),
-        "score_sequences": torch.tensor(sequences, dtype=torch.long),
-        "num_sequences": torch.tensor(num_sequences),
-    }
+    return SharedPrefix(
+        input_ids, attention_mask, position_ids, mask,
+        score_positions=torch.tensor(positions, dtype=torch.long),
+        score_targets=torch.tensor(targets, dtype=torch.long),
+        score_sequences=torch.tensor(sequences, dtype=torch.long),
+        num_sequences=num_sequences,
+    )  # fmt: skip
 
 
 def collate_shared_prompt(
     rows: Sequence[Mapping[str, Any]], *, pad_id: int, additive_mask_dtype: torch.dtype | None,
     completions: tuple[str, str] = ("chosen_ids", "rejected_ids"),
-) -> dict[str, Tensor]:  # fmt: skip
+) -> SharedPrefix:  # fmt: skip
     """Batch rows with one prompt and two completions into B rows `prompt + first + second`
     (see `collate_shared_prefix`); row i's first completion is sequence i, its second B + i,
     the layout of the plain path. `completions` names the two: a DPO pair's chosen and rejected
@@ -188,7 +186,7 @@ MIN_SAVED_SHARE = 0.25
 
 def collate_shared_sft(
     rows: Sequence[Mapping[str, Any]], *, pad_id: int, additive_mask_dtype: torch.dtype | None
-) -> dict[str, Tensor] | None:
+) -> SharedPrefix | None:
     """One row for a whole SFT micro-batch when its rows start alike (a shared system prompt
     and chat-template header): the common unscored prefix once, then every row's rest. None
     when sharing does not pay: one row, or a prefix that saves less than `MIN_SAVED_SHARE` of

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from align_anything.data.batches import Rows
 from align_anything.data.encode import CUT_MEDIA, IGNORE_INDEX, cuts_media
 from align_anything.data.formats import DataReport, row_label
 from align_anything.data.media import (
@@ -172,7 +173,7 @@ class MediaSupport:
 
     # ------------------------------------------------------------ batches
 
-    def attach(self, batch: dict[str, Any], rows: list[dict], *, copies: int) -> dict[str, Any]:
+    def attach(self, batch: Rows, rows: list[dict], *, copies: int) -> Rows:
         """Decode this batch's media and add the model inputs; mask placeholder tokens out of
         `labels`.
 
@@ -194,11 +195,11 @@ class MediaSupport:
                 media = [self._dummy(modality, self._dummy_size(modality))]
             else:
                 media = [self._decode(modality, ref) for ref in refs]
-            batch.update(self._features(modality, media))
-        placeholder = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+            batch.media.update(self._features(modality, media))
+        placeholder = torch.zeros_like(batch.input_ids, dtype=torch.bool)
         for modality in self.modalities:
-            placeholder |= batch["input_ids"] == self.token_id(modality)
-        batch["labels"] = batch["labels"].masked_fill(placeholder, IGNORE_INDEX)
+            placeholder |= batch.input_ids == self.token_id(modality)
+        batch.labels = batch.labels.masked_fill(placeholder, IGNORE_INDEX)
         return batch
 
     def _decode(self, modality: str, ref: Any) -> Any:
@@ -216,20 +217,22 @@ class MediaSupport:
             return (side, side)
         return self.sampling_rate  # one second
 
-    def _add_dummy_row(self, batch: dict[str, Any], modality: str) -> None:
+    def _add_dummy_row(self, batch: Rows, modality: str) -> None:
         text = self.placeholder(modality, self.token_count(modality, self._dummy_size(modality)))
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        rows, width = batch["input_ids"].shape
-        batch.setdefault("real_rows", rows)
+        rows, width = batch.input_ids.shape
+        if batch.real_rows is None:
+            batch.real_rows = rows
         new_width = max(width, len(ids))
         pad_id = self.tokenizer.pad_token_id
         fills = {"input_ids": pad_id, "attention_mask": 0, "labels": IGNORE_INDEX}
         for key, fill in fills.items():
-            grown = torch.full((rows + 1, new_width), fill, dtype=batch[key].dtype)
-            grown[:rows, :width] = batch[key]
-            batch[key] = grown
-        batch["input_ids"][rows, : len(ids)] = torch.tensor(ids)
-        batch["attention_mask"][rows, : len(ids)] = 1
+            old = getattr(batch, key)
+            grown = torch.full((rows + 1, new_width), fill, dtype=old.dtype)
+            grown[:rows, :width] = old
+            setattr(batch, key, grown)
+        batch.input_ids[rows, : len(ids)] = torch.tensor(ids)
+        batch.attention_mask[rows, : len(ids)] = 1
 
     def _features(self, modality: str, media: list[Any]) -> dict[str, torch.Tensor]:
         if modality == "image":
@@ -243,9 +246,10 @@ class MediaSupport:
                 "feature_attention_mask": out["attention_mask"]}  # fmt: skip
 
 
-def media_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+def media_inputs(batch: Rows | Mapping[str, Any]) -> dict[str, Any]:
     """The media inputs of a batch, to pass to the model's forward beside the text."""
-    return {k: batch[k] for k in MEDIA_MODEL_INPUTS if k in batch}
+    source = batch.media if isinstance(batch, Rows) else batch
+    return {k: source[k] for k in MEDIA_MODEL_INPUTS if k in source}
 
 
 def has_media(records: Sequence[Mapping[str, Any]]) -> bool:

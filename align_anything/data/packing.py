@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch import Tensor
 
+from align_anything.data.batches import Packed
 from align_anything.data.encode import IGNORE_INDEX
 
 # Attention kernels packing runs on, and how: every one through restarting position ids with
@@ -136,9 +136,7 @@ def fill_share(bins: PackedBins, capacity: int) -> float:
     return float(bins.lengths.sum()) / max(len(bins) * capacity, 1)
 
 
-def collate_packed(
-    sequences: Sequence[PackedSequence], *, pad_id: int, flatten: bool
-) -> dict[str, Tensor]:
+def collate_packed(sequences: Sequence[PackedSequence], *, pad_id: int, flatten: bool) -> Packed:
     """Batch packed sequences: `input_ids`, `labels`, `position_ids` [B, L] (one right-padded
     row per packed sequence) or [1, N] with `flatten` (every row of the micro-batch in one row,
     no padding: flash-attention's varlen layout), and `attention_mask` marking real tokens, for
@@ -169,9 +167,4 @@ def collate_packed(
         attention_mask[g, :start] = 1
         # Padding as a run of its own: its queries see only padding, never a real row.
         position_ids[g, start:] = torch.arange(width - start)
-    return {
-        "input_ids": input_ids,
-        "labels": labels,
-        "position_ids": position_ids,
-        "attention_mask": attention_mask,
-    }
+    return Packed(input_ids, labels, position_ids, attention_mask)

@@ -52,7 +52,7 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
     from align_anything.models import lora
     from align_anything.models.loading import empty_model, load_config, load_tokenizer
     from align_anything.models.zoo import resolve_model_path
-    from align_anything.trainers import checkpoints
+    from align_anything.training import checkpoints
 
     folder = Path(checkpoint)
     target = Path(out)

@@ -1,22 +1,15 @@
-"""What a run tells its user: the start-up summary, the eval lines, the final summary and
-`summary.json`. Views of a set-up trainer; nothing here changes it."""
+"""What a run tells its user: the start-up summary, the eval lines, the final summary,
+`summary.json`, and the messages of a stopped run. Pure formatting of the typed values it is
+given; nothing here reads or changes a run."""
 
 from __future__ import annotations
 
-import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from align_anything import plan
-from align_anything.backend import ds_config as dsc
 from align_anything.backend import memory
-from align_anything.models import parts as model_parts
-from align_anything.models.loading import count_parameters
-from align_anything.models.sizes import sizes_of
-
-if TYPE_CHECKING:
-    from align_anything.trainers.base import Trainer
 
 
 def count(n: int) -> str:
@@ -27,64 +20,74 @@ def count(n: int) -> str:
     return str(n)
 
 
-def startup_summary(t: Trainer) -> str:
+@dataclass(frozen=True)
+class StartupFacts:
+    """What the start-up summary shows (read off a set-up run by `setup.startup_facts`)."""
+
+    task: str
+    model: str
+    model_type: str
+    trainable: int
+    frozen: int
+    parts: str | None  # per-part sizes (multimodal models, frozen parts), or None
+    world: str
+    batch: str
+    total_steps: int
+    steps_per_epoch: int
+    train_rows: int
+    train_unit: str
+    eval_rows: int
+    zero_stage: int
+    offload: list[str]
+    preset_file: str
+    precision: str
+    attention: str
+    ds_config: str
+    memory_plan: str
+    lines: list[str]  # the set-up steps' and the task's own lines
+    data_reports: list[str]
+    logging_notes: list[str]
+    output_dir: str
+    resumed: tuple[str, int] | None = None  # (checkpoint, step)
+    universal: str | None = None  # resumed through a universal checkpoint: the change
+    versions: str = field(default="")
+
+
+def startup_summary(f: StartupFacts) -> str:
     """Model and parameters, world size, effective batch, ZeRO stage, precision, the resolved
     DeepSpeed config, the memory plan, data and output: printed once by rank 0."""
-    cfg, ds = t.cfg, t.deepspeed
-    trainable, frozen = count_parameters(t.engine.module)
-    offload = [
-        name
-        for name, on in (
-            ("optimizer", dsc.offloads_optimizer(ds.config)),
-            ("parameters", dsc.offloads_params(ds.config)),
-        )
-        if on
-    ]
-    parts = []  # per-part sizes, for multimodal models and frozen parts
-    if t.media is not None or cfg.model.freeze:
-        counts = model_parts.part_counts(t.engine.module)
-        parts.append(f"  parts           {model_parts.describe_parts(counts)}")
     lines = [
-        f"align_anything {t.task}",
-        f"  model           {cfg.model.name_or_path} ({t.model_config.model_type}): "
-        f"{count(trainable)} trainable, {count(frozen)} frozen parameters",
-        f"  world size      {ds.batch.world_size} ({t.dist.backend} on {t.dist.device.type})",
-        f"  effective batch {ds.batch.describe()}",
-        f"  steps           {t.total_steps} ({t.steps_per_epoch} per epoch, "
-        f"{len(t.train_rows)} train {getattr(t, 'train_unit', 'rows')}, "
-        f"{len(t.eval_rows)} eval rows)",
-        f"  deepspeed       ZeRO stage {t.engine.zero_stage}"
-        + (f", offload {' + '.join(offload)}" if offload else "")
-        + f" ({Path(ds.source).name})",
-        f"  precision       {ds.precision}",
-        f"  attention       {t.engine.module.config._attn_implementation} "
-        f"(model.attn_implementation={cfg.model.attn_implementation})",
-        f"  ds config       {json.dumps(ds.config, separators=(',', ':'))}",
-        f"  memory plan     {memory_plan(t)}; now {memory.memory_summary()}",
-        *parts,
-        *ds.notes,
-        *t.summary_lines,
-        *(f"  data            {r.summary()}" for r in t.data_reports),
-        *(f"  logging         {note}" for note in t.logger.notes),
-        f"  output          {t.output_dir} (metrics.jsonl, run_config.json, ds_config.json)",
+        f"align_anything {f.task}",
+        f"  model           {f.model} ({f.model_type}): {count(f.trainable)} trainable, "
+        f"{count(f.frozen)} frozen parameters",
+        f"  world size      {f.world}",
+        f"  effective batch {f.batch}",
+        f"  steps           {f.total_steps} ({f.steps_per_epoch} per epoch, {f.train_rows} "
+        f"train {f.train_unit}, {f.eval_rows} eval rows)",
+        f"  deepspeed       ZeRO stage {f.zero_stage}"
+        + (f", offload {' + '.join(f.offload)}" if f.offload else "")
+        + f" ({f.preset_file})",
+        f"  precision       {f.precision}",
+        f"  attention       {f.attention}",
+        f"  ds config       {f.ds_config}",
+        f"  memory plan     {f.memory_plan}",
+        *([f"  parts           {f.parts}"] if f.parts else []),
+        *f.lines,
+        *(f"  data            {r}" for r in f.data_reports),
+        *(f"  logging         {note}" for note in f.logging_notes),
+        f"  output          {f.output_dir} (metrics.jsonl, run_config.json, ds_config.json)",
     ]
-    if t.resume_dir is not None:
-        lines.append(f"  resumed         from {t.resume_dir} at step {t.step}")
-        if ds.universal:
-            lines.append(f"                  via a universal checkpoint: {ds.universal}")
+    if f.resumed is not None:
+        lines.append(f"  resumed         from {f.resumed[0]} at step {f.resumed[1]}")
+        if f.universal:
+            lines.append(f"                  via a universal checkpoint: {f.universal}")
     return "\n".join(lines)
 
 
-def memory_plan(t: Trainer) -> str:
-    """The planner's per-device estimate for this run's resolved preset (the figure
-    `python -m align_anything plan` and `deepspeed=auto` use)."""
-    sizes = sizes_of(t.engine.module, t.model_config)
-    world = t.deepspeed.batch.world_size
-    estimate = plan.estimate_preset(
-        Path(t.deepspeed.source).stem, t.deepspeed.config, sizes, t.cfg, world_size=world,
-        precision=t.deepspeed.precision, gpus_per_node=plan.local_devices(world),
-    )  # fmt: skip
-    gib = plan.GIB
+def describe_estimate(estimate: Any) -> str:
+    """The memory planner's estimate (`plan.estimate_preset`) as one line: the total per
+    device and its shares."""
+    gib = 2**30
     shares = [f"model states {estimate.model_states / gib:.2f}"]
     if estimate.reference:
         shares.append(f"reference {estimate.reference / gib:.2f}")
@@ -107,46 +110,52 @@ def eval_line(results: dict[str, Any], label: str) -> str:
     )
 
 
-def why_no_eval(t: Trainer) -> str:
-    """Why a run has no held-out metrics, and what to set."""
-    if not t.eval_records:
+def why_no_eval(*, eval_records: int, reports: list[Any], max_length: int) -> str:
+    """Why a run has no held-out metrics, and what to set: no eval split, or every eval row
+    dropped (the eval split's report says why)."""
+    if not eval_records:
         return (
             "no eval split (data.eval_fraction=0 and no data.eval_path); set "
             "data.eval_fraction or data.eval_path to measure held-out loss"
         )
-    found = next((r for r in t.data_reports if r.source.startswith("eval split")), None)
+    found = next((r for r in reports if r.source.startswith("eval split")), None)
     dropped = f" ({found.summary()})" if found is not None else ""
     return (
-        f"every one of the {len(t.eval_records)} eval rows was dropped{dropped}; "
-        f"raise data.max_length (now {t.cfg.data.max_length}) or check data.eval_path"
+        f"every one of the {eval_records} eval rows was dropped{dropped}; "
+        f"raise data.max_length (now {max_length}) or check data.eval_path"
     )
 
 
-def summary_data(t: Trainer) -> dict[str, Any]:
-    """`summary.json`: held-out metrics per evaluation, steps, time and every rank's peak."""
-    evals = {h["phase"]: h for h in t.history if "phase" in h}
-    peaks = getattr(t, "peak_memory", [])
+def summary_data(
+    *, run_id: str, task: str, steps: int, history: list[dict[str, Any]],
+    train_seconds: float | None, peaks: list[tuple[int, int]], extra: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """`summary.json`: held-out metrics per evaluation, steps, time, every rank's memory before
+    the model and at its peak, and the task's own entries."""
+    evals = {h["phase"]: h for h in history if "phase" in h}
     return {
-        "run_id": t.run_id,
-        "task": t.task,
-        "steps": t.step,
+        "run_id": run_id,
+        "task": task,
+        "steps": steps,
         "evaluations": evals,
-        "train_seconds": getattr(t, "train_seconds", None),
+        "train_seconds": train_seconds,
         "memory_kind": memory.memory_kind(),
         "peak_memory_gib_per_rank": [round(p / 2**30, 4) for _, p in peaks],
         "memory_before_model_gib_per_rank": [round(b / 2**30, 4) for b, _ in peaks],
-        **t.extra_summary(),
+        **extra,
     }
 
 
-def final_summary(t: Trainer) -> str:
+def final_summary(
+    *, task: str, steps: int, history: list[dict[str, Any]], train_seconds: float | None,
+    peaks: list[tuple[int, int]], no_eval_reason: str,
+) -> str:  # fmt: skip
     """The closing lines: steps and time, peak memory per rank, each held-out metric before →
-    after (or why there are none)."""
-    evals = [h for h in t.history if "phase" in h]
-    lines = [f"finished {t.task}: {t.step} steps in {getattr(t, 'train_seconds', 0):.0f} s"]
+    after (or `no_eval_reason` when there are none)."""
+    evals = [h for h in history if "phase" in h]
+    lines = [f"finished {task}: {steps} steps in {train_seconds or 0:.0f} s"]
     if not evals:
-        lines.append(f"  no held-out metrics: {why_no_eval(t)}")
-    peaks = getattr(t, "peak_memory", [])
+        lines.append(f"  no held-out metrics: {no_eval_reason}")
     if peaks:
         lines.append(
             f"  peak memory per rank ({memory.memory_kind()}): "
@@ -179,7 +188,7 @@ def nonfinite(
     """The message of a run stopped on a non-finite loss (`keys` of the step's metrics, before
     the update of step `step` + 1) or gradient norm (`keys` == ["grad_norm"], after the update
     of step `step`): the step, its rows, the last good checkpoint."""
-    from align_anything.trainers.batching import step_indices
+    from align_anything.training.batching import step_indices
 
     before_update = keys != ["grad_norm"]
     step = step + 1 if before_update else step

@@ -1,20 +1,18 @@
 """The generation check of built-in data: greedy answers to held-out prompts, checked for the
 dataset's preferred property (a program can tell whether an answer has it). The preference
-trainers (DPO, KTO) run it before and after training, where the held-out data defines a check."""
+tasks (DPO, KTO) run it before and after training, where the held-out data defines a check."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from align_anything.backend import distributed as comm
+from align_anything.backend.engine import Engine
 from align_anything.data.builtin import has_preferred_property
-from align_anything.trainers.batching import shard_chunks
-
-if TYPE_CHECKING:
-    from align_anything.trainers.base import Trainer
+from align_anything.training.batching import shard_chunks
 
 # Built-in datasets whose preferred property a program can check on a generated answer.
 PROPERTY_CHECKS: dict[str, Callable[[dict, str], bool]] = {
@@ -33,34 +31,34 @@ def property_check(data_path: Any) -> Callable[[dict, str], bool] | None:
     return PROPERTY_CHECKS.get(data_path) if isinstance(data_path, str) else None
 
 
-def held_out_check(trainer: Trainer, *, samples: int, max_new_tokens: int) -> dict[str, float]:
-    """`eval/generation_check`: the share of the first `samples` held-out prompts whose greedy
-    answer has the held-out data's preferred property; nothing for data without a check, with
-    `samples` 0 or without held-out rows. Collective."""
-    data = trainer.cfg.data
-    check = property_check(data.eval_path or data.path)
-    if not samples or check is None or not trainer.eval_records:
+def held_out_check(
+    *, policy: Engine, tokenizer: Any, data_path: Any, records: Sequence[dict], samples: int,
+    max_new_tokens: int, rank: int, world: int,
+) -> dict[str, float]:  # fmt: skip
+    """`eval/generation_check`: the share of the first `samples` held-out `records` whose
+    greedy answer has the held-out data's (`data_path`: `data.eval_path or data.path`)
+    preferred property; nothing for data without a check, with `samples` 0 or without
+    held-out rows. Collective."""
+    check = property_check(data_path)
+    if not samples or check is None or not len(records):
         return {}
-    return {
-        "eval/generation_check": generation_check(
-            trainer, check, samples=samples, max_new_tokens=max_new_tokens
-        )
-    }
+    passed = generation_check(
+        policy, tokenizer, records[:samples], check, max_new_tokens=max_new_tokens, rank=rank,
+        world=world,
+    )  # fmt: skip
+    return {"eval/generation_check": passed}
 
 
 @torch.no_grad()
 def generation_check(
-    trainer: Trainer, check: Callable[[dict, str], bool], *, samples: int, max_new_tokens: int
-) -> float:
-    """Share of held-out prompts whose greedy answer has the dataset's preferred property."""
-    records = trainer.eval_records[:samples]
-    world = trainer.dist.world_size
-    engine = trainer.engine
-    module = engine.module
+    policy: Engine, tokenizer: Any, records: Sequence[dict], check: Callable[[dict, str], bool],
+    *, max_new_tokens: int, rank: int, world: int,
+) -> float:  # fmt: skip
+    """Share of `records` whose greedy answer has the dataset's preferred property."""
+    module = policy.module
     module.eval()
-    tokenizer = trainer.tokenizer
     passed = 0
-    for chunk in shard_chunks(len(records), chunk=CHUNK, rank=trainer.dist.rank, world=world):
+    for chunk in shard_chunks(len(records), chunk=CHUNK, rank=rank, world=world):
         real = chunk is not None
         chunk = chunk or [0]
         prompts = [
@@ -76,13 +74,13 @@ def generation_check(
             )
         finally:
             tokenizer.padding_side = "right"
-        encoded = {k: v.to(engine.device) for k, v in encoded.items()}
+        encoded = {k: v.to(policy.device) for k, v in encoded.items()}
         output = module.generate(
             **encoded,
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
-            synced_gpus=world > 1 and engine.zero_stage == 3,
+            synced_gpus=world > 1 and policy.zero_stage == 3,
         )
         texts = tokenizer.batch_decode(
             output[:, encoded["input_ids"].shape[1] :], skip_special_tokens=True
@@ -91,7 +89,7 @@ def generation_check(
             passed += sum(
                 bool(check(records[i], text)) for i, text in zip(chunk, texts, strict=True)
             )
-    engine.train()
+    policy.train()
     total = torch.tensor([float(passed)], dtype=torch.float64)
     comm.all_reduce_sum(total)
     return float(total[0]) / len(records)

@@ -2,7 +2,7 @@
 token-level aggregation and Dr. GRPO's constant normaliser (`grpo.loss_type`), as TRL 1.16's
 `GRPOTrainer` (token-level importance sampling).
 
-The step (generation, rewards, no-grad passes) is `online.OnlineTrainer`'s; this file adds the
+The round (generation, rewards, no-grad passes) is `online.Rollouts`'; this file gives the
 group-relative advantages (`losses.group_advantages`, `grpo.scale_rewards`) and the per-token
 clipped loss with the k3 KL term (`losses.grpo_per_token_loss`), aggregated with
 `losses.loss_sum` over `losses.loss_items` items: completions for grpo / dr_grpo, completion
@@ -12,35 +12,45 @@ does not change the loss.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
-import torch
+from torch import Tensor
 
 from align_anything.losses import group_advantages, grpo_per_token_loss, loss_items, loss_sum
-from align_anything.trainers.online import OnlineTrainer
+from align_anything.tasks import online
+from align_anything.training.run import Run
+from align_anything.training.task import TaskSpec
 
 
-class GRPOTrainer(OnlineTrainer):
-    task: ClassVar[str] = "grpo"
+@dataclass
+class GRPO:
+    """GRPO's advantages and loss (the `online.Algorithm` of task=grpo)."""
 
-    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+    rl: Any  # the grpo section
+    name: str = "grpo"
+    needs_old_logps_for_reward: bool = False
+
+    def rewards_for_advantages(
+        self, rewards: list[float], batches: list[online.RolloutBatch]
+    ) -> tuple[list[float], dict[str, float]]:
+        return rewards, {}
+
+    def advantages(self, rewards: Tensor) -> Tensor:
         return group_advantages(rewards, self.rl.num_generations, self.rl.scale_rewards)
 
-    def count_items(self, batch: dict[str, Any]) -> int:
-        return loss_items(batch["loss_mask"], loss_type=self.rl.loss_type)
+    def count_items(self, batch: online.RolloutBatch) -> int:
+        return loss_items(batch.loss_mask, loss_type=self.rl.loss_type)
 
-    def compute_loss(
-        self, batch: dict[str, Any], *, normalizer: float, training: bool
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, logps: Tensor, batch: online.RolloutBatch) -> tuple[Tensor, dict[str, Tensor]]:
         rl = self.rl
-        logps = self._token_logps(self.engine, batch)
-        old = batch.get("old_logps")
+        old = batch.old_logps
         low, high = rl.clip_range()
         per_token, stats = grpo_per_token_loss(
-            logps, logps.detach() if old is None else old, batch["advantages"],
-            epsilon_low=low, epsilon_high=high, ref_logps=batch.get("ref_logps"), beta=rl.beta,
+            logps, logps.detach() if old is None else old, batch.advantages,
+            epsilon_low=low, epsilon_high=high, ref_logps=batch.ref_logps, beta=rl.beta,
         )  # fmt: skip
-        mask = batch["loss_mask"]
+        mask = batch.loss_mask
         total = loss_sum(
             per_token, mask, loss_type=rl.loss_type, max_completion_length=rl.max_completion_length
         )
@@ -54,4 +64,14 @@ class GRPOTrainer(OnlineTrainer):
         }
         if stats.kl is not None:
             metrics["tokens/kl"] = (stats.kl.detach() * mask).sum()
-        return total / normalizer, metrics
+        return total, metrics
+
+
+def build(run: Run) -> tuple[online.OnlineRL, online.Rollouts]:
+    return online.build_online(run, GRPO(run.cfg.grpo))
+
+
+SPEC = TaskSpec(
+    name="grpo", record_kind="prompt", encoding=online.encoding, build=build,
+    check=online.check_rewards, schedule=online.schedule,
+)  # fmt: skip

@@ -25,7 +25,7 @@ from typing import Any
 
 from align_anything import atomic
 from align_anything.errors import CheckpointError, ConfigError
-from align_anything.trainers import checkpoints
+from align_anything.training import checkpoints
 
 LOCK = ".lock"
 RUN_FILE = "run.json"

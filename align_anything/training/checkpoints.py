@@ -292,12 +292,19 @@ def last_complete(root: Path, run_id: str) -> Path | None:
     return ours[-1] if ours else None
 
 
+def engine_tag(name: str) -> str:
+    """The folder of a trained engine's DeepSpeed state in a checkpoint: `deepspeed/` for the
+    policy, `deepspeed-<name>/` for an engine trained beside it (PPO's critic)."""
+    return "deepspeed" if name == "policy" else f"deepspeed-{name}"
+
+
 def save(
-    folder: Path, *, engine: Any, ema: Any, rank: int, is_main: bool, state: dict[str, Any],
-    configs: dict[str, Any], keep_last: int,
+    folder: Path, *, engines: dict[str, Any], ema: Any, rank: int, is_main: bool,
+    state: dict[str, Any], configs: dict[str, Any], keep_last: int,
 ) -> Path:  # fmt: skip
     """Write checkpoint `folder` (…/step-N) under a temporary name: the DeepSpeed state of every
-    rank, each rank's RNG state, the weight average, then (rank 0) `configs` (file name →
+    trained engine on every rank, each rank's RNG state, the weight average, then (rank 0)
+    `configs` (file name →
     JSON data), the trainer `state` and, last, the manifest; rename it when complete, then
     prune the run's older checkpoints. A crash mid-save never damages the last good
     checkpoint. A failed write (disk full, unwritable folder) removes the partial folder and
@@ -310,7 +317,8 @@ def save(
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         comm.barrier()
-        engine.save_checkpoint(tmp, client_state={"step": state["step"]})
+        for name, engine in engines.items():
+            engine.save_checkpoint(tmp, client_state={"step": state["step"]}, tag=engine_tag(name))
         write_rng_state(tmp, rank)
         if ema is not None:
             ema.save(tmp)
@@ -335,12 +343,14 @@ def save(
     return folder
 
 
-def load(folder: Path, *, engine: Any, rank: int) -> int:
-    """Load checkpoint `folder` into `engine` and this rank's RNG state; returns its step.
-    A checkpoint of another world size may hold no RNG file for this rank: fresh RNG then."""
+def load(folder: Path, *, engines: dict[str, Any], rank: int) -> int:
+    """Load checkpoint `folder` into every trained engine and this rank's RNG state; returns
+    its step. A checkpoint of another world size may hold no RNG file for this rank: fresh RNG
+    then."""
     state = read_json(folder / STATE)
     try:
-        engine.load_checkpoint(folder)
+        for name, engine in engines.items():
+            engine.load_checkpoint(folder, tag=engine_tag(name))
     except UserError:
         raise
     except Exception as err:  # noqa: BLE001 - DeepSpeed's loader raises anything

@@ -1,39 +1,38 @@
 """The frozen reference of a preference trainer: which model it is, the summary line that says
 so, and the sharded no-grad pass that precomputes its log-probs.
 
-The reference is the model as loaded from `model.name_or_path`, never a resumed checkpoint (so
-it is built before a checkpoint is loaded into the policy); in a LoRA run, the policy itself
-with its adapters disabled (no second model). KTO uses these helpers; DPO keeps the same steps
-in `dpo.py` for now (its file is being changed on another branch) and can move onto them.
+The reference is the model as loaded from `model.name_or_path`, never a resumed checkpoint;
+in a LoRA run, the policy itself with its adapters disabled (no second model). DPO, KTO and
+online RL (β > 0) use these helpers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
+
+import torch
 
 from align_anything.backend import distributed as comm
-from align_anything.backend.engine import InferenceEngine
-from align_anything.backend.zero_init import model_init_context
+from align_anything.backend.engine import Engine, InferenceEngine
 from align_anything.models import lora
-from align_anything.trainers.batching import shard_chunks
-
-if TYPE_CHECKING:
-    from align_anything.trainers.base import Trainer
+from align_anything.training.batching import shard_chunks
 
 Reference = InferenceEngine | lora.AdapterDisabledReference
 Key = TypeVar("Key", bound=Hashable)
 
 
-def build(trainer: Trainer, *, offload: bool) -> Reference:
-    """The reference model of `trainer` (whose engine is built, and no checkpoint loaded yet):
-    the policy with adapters disabled in a LoRA run, else the model loaded afresh into a frozen
-    inference engine (under ZeRO-3 partitioned like the policy; `offload`: kept on CPU)."""
-    if trainer.cfg.model.lora.enabled:
-        return lora.AdapterDisabledReference(trainer.engine)
-    with model_init_context(trainer.ds_config):
-        model = trainer.build_model()
-    return InferenceEngine(model, trainer.deepspeed.reference_config(offload=offload))
+def build(
+    *, policy: Engine, lora_enabled: bool, load_model: Callable[[], torch.nn.Module],
+    ds_config: dict[str, Any],
+) -> Reference:  # fmt: skip
+    """The frozen reference beside `policy`: the policy with adapters disabled in a LoRA run,
+    else `load_model()` (the model as loaded before training; under ZeRO-3 partitioned like
+    the policy) in a frozen inference engine with `ds_config` (`DeepSpeedPlan.reference_config`:
+    offloaded to CPU when asked)."""
+    if lora_enabled:
+        return lora.AdapterDisabledReference(policy)
+    return InferenceEngine(load_model(), ds_config)
 
 
 def describe(

@@ -12,28 +12,35 @@ template's closing tokens after EOS either way, which is why the text is always 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from align_anything.backend import ds_config as dsc
 from align_anything.backend.engine import InferenceEngine
 from align_anything.backend.zero_init import model_init_context
+from align_anything.data.batches import to_device
+from align_anything.data.collate import pad_rows
 from align_anything.data.encode import _template_ids
 from align_anything.errors import ConfigError
 from align_anything.forward import sequence_scores
 from align_anything.models import loading as model_loading
 from align_anything.models import zoo
 
-if TYPE_CHECKING:
-    from align_anything.trainers.base import Trainer
-
 # Sequences scored per forward pass.
 CHUNK = 32
 
 
 class RewardModel:
-    def __init__(self, trainer: Trainer, path: str) -> None:
+    """A `task=rm` model scoring (prompt, completion) text in a frozen inference engine."""
+
+    def __init__(
+        self, path: str, *, policy_tokenizer: Any, precision: str, model_init_config: dict[str, Any],
+        ds_config: dict[str, Any], device: torch.device,
+    ) -> None:  # fmt: skip
+        """`path`: the reward model's folder (`reward.model`); `model_init_config`: the
+        policy's DeepSpeed config (under ZeRO-3 the model loads partitioned); `ds_config`: the
+        frozen engine's (`DeepSpeedPlan.reference_config`)."""
         self.path = zoo.resolve_model_path(path)
         config = model_loading.load_config(self.path)
         architectures = getattr(config, "architectures", None) or []
@@ -44,13 +51,13 @@ class RewardModel:
                 "give its final/ folder, e.g. reward.model=outputs/rm/final"
             )
         self.tokenizer = model_loading.load_tokenizer(self.path)
-        self.same_tokenizer = self.tokenizer.get_vocab() == trainer.tokenizer.get_vocab()
-        with model_init_context(trainer.ds_config):
+        self.same_tokenizer = self.tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        with model_init_context(model_init_config):
             model = model_loading.load_model(
-                self.path, reward=True, dtype=dsc.torch_dtype(trainer.precision)
+                self.path, reward=True, dtype=dsc.torch_dtype(precision)
             )
-        self.engine = InferenceEngine(model, trainer.deepspeed.reference_config(offload=False))
-        self.device = trainer.engine.device
+        self.engine = InferenceEngine(model, ds_config)
+        self.device = device
         self._min_calls = 0
 
     def describe(self) -> str:
@@ -77,20 +84,13 @@ class RewardModel:
         self._min_calls = 0
         scores: list[float] = []
         pad = self.tokenizer.pad_token_id
+        pad = pad if pad is not None else 0
         for call in range(calls):
             part = sequences[call * CHUNK : (call + 1) * CHUNK]
             real = bool(part)
-            part = part or [[pad if pad is not None else 0]]
-            width = max(map(len, part))
-            ids = torch.full((len(part), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(part), width), dtype=torch.long)
-            for b, seq in enumerate(part):
-                ids[b, : len(seq)] = torch.tensor(seq)
-                mask[b, : len(seq)] = 1
-            out = sequence_scores(
-                self.engine,
-                {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)},
-            )
+            part = part or [[pad]]
+            batch = to_device(pad_rows(part, part, pad), self.device)
+            out = sequence_scores(self.engine, batch)
             if real:
                 scores += out.tolist()
         return scores

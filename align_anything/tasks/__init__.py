@@ -1,0 +1,20 @@
+"""The task registry: task name -> `TaskSpec` (how set-up builds it). A test keeps it in sync
+with configs/task/ and the config schema's task sections.
+
+Adding a task: a module here with its task (the `training.task.Task` protocol), its `build`
+and a `SPEC`; its config section in `config.py` and its YAML in `configs/task/`; a line below.
+The loop (`training/loop.py`) does not change."""
+
+from __future__ import annotations
+
+from align_anything.tasks import dpo, grpo, kto, rloo, rm, sft
+from align_anything.training.task import TaskSpec
+
+TASKS: dict[str, TaskSpec] = {
+    "sft": sft.SPEC,
+    "dpo": dpo.SPEC,
+    "rm": rm.SPEC,
+    "kto": kto.SPEC,
+    "grpo": grpo.SPEC,
+    "rloo": rloo.SPEC,
+}

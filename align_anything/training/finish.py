@@ -1,0 +1,55 @@
+"""The end of a run: the exported folders (`final/`, `final-ema/`, `final-merged/`) and, on
+rank 0, the closing summary and `summary.json`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from align_anything import atomic
+from align_anything.backend import distributed as comm
+from align_anything.training import checkpoints, report
+from align_anything.training.run import Run
+from align_anything.training.task import Task
+
+
+def save_final(run: Run) -> Path | None:
+    """Export `output_dir/final` from the policy (see `checkpoints.save_final`). Collective."""
+    cfg = run.cfg
+    if not cfg.checkpoint.save_final:
+        return None
+    state = run.policy.full_state_dict()
+    if run.dist.is_main:
+        lora = cfg.model.lora
+        checkpoints.save_final(
+            run.output.path, run.policy.module, state,
+            ema_state=run.ema.state_dict(state) if run.ema is not None else None,
+            tokenizer=run.model.saved_tokenizer, configs=run.configs(),
+            merge_onto=run.model.path if lora.enabled and lora.save_merged else None,
+            task=cfg.task,
+        )  # fmt: skip
+    comm.barrier()
+    return run.output.path / "final"
+
+
+def report_finished(run: Run, task: Task) -> None:
+    """Rank 0: the closing summary (steps, time, peak memory, each held-out metric before →
+    after) and `summary.json`."""
+    if not run.dist.is_main:
+        return
+    state, data = run.state, run.data
+    print(
+        report.final_summary(
+            task=run.cfg.task, steps=state.step, history=state.history,
+            train_seconds=state.train_seconds, peaks=state.peak_memory,
+            no_eval_reason=report.why_no_eval(
+                eval_records=len(data.eval_records), reports=data.reports,
+                max_length=run.cfg.data.max_length,
+            ),
+        ),
+        flush=True,
+    )  # fmt: skip
+    summary = report.summary_data(
+        run_id=run.output.run_id, task=run.cfg.task, steps=state.step, history=state.history,
+        train_seconds=state.train_seconds, peaks=state.peak_memory, extra=task.summary(),
+    )  # fmt: skip
+    atomic.write_text(run.output.path / "summary.json", atomic.to_json(summary))

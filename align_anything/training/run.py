@@ -1,0 +1,136 @@
+"""The `Run`: a typed record of what set-up made (`setup.setup`), handed to the loop and to the
+task builders. Each part is its own small record, made by one set-up step:
+
+- `OutputClaim`: the output folder, its lock, the run id and the checkpoint to resume from;
+- `ModelSide`: the model's config, tokenizer or processor, media support, attention kernel —
+  everything known before any weights load;
+- `Data`: the encoded splits (memory-mapped Arrow), their reports and fingerprints;
+- `Schedule`: steps per epoch, total and warmup steps;
+- the DeepSpeed plan (`plan.DeepSpeedPlan`), the trained engines, the weight average;
+- `RunState`: the one part that changes while the loop runs (step, logged history).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from align_anything.backend.distributed import DistInfo
+from align_anything.backend.engine import Engine
+from align_anything.config import RunConfig
+from align_anything.data.formats import DataReport
+from align_anything.data.multimodal import MediaSupport
+from align_anything.data.rows import EncodedRows, RecordsView
+from align_anything.models.ema import WeightEMA
+from align_anything.plan import DeepSpeedPlan
+from align_anything.training.output_dir import Lock
+from align_anything.training.tracking import MetricsLogger
+
+
+@dataclass(frozen=True)
+class OutputClaim:
+    """The output folder this run holds: its lock (rank 0), the run id, and the complete
+    checkpoint it resumes from (None: a fresh run)."""
+
+    path: Path
+    lock: Lock
+    run_id: str
+    resume_dir: Path | None
+
+
+@dataclass(frozen=True)
+class ModelSide:
+    """The model as far as set-up needs it before any weights: `name` as the user gave it,
+    `path` it resolved to, its config, tokenizer (for image-text / audio-text models the
+    processor's), the processor, media support for the data, the checked attention kernel."""
+
+    name: str
+    path: str
+    config: Any
+    tokenizer: Any
+    processor: Any | None
+    media: MediaSupport | None
+    attn_implementation: str | None
+
+    @property
+    def saved_tokenizer(self) -> Any:
+        """What is saved beside the weights: the processor, else the tokenizer."""
+        return self.processor or self.tokenizer
+
+
+@dataclass
+class Data:
+    """The run's encoded splits, opened from the data cache: `train` (`EncodedRows`, or SFT's
+    packed view of them), `eval`, the held-out records (for generation checks), the per-split
+    reports (kept, dropped and why), the fingerprints a resume checks, the training rows'
+    lengths (for length grouping) and what one training item is called in the summary."""
+
+    train: Sequence[dict]
+    eval: EncodedRows
+    eval_records: RecordsView
+    reports: list[DataReport]
+    fingerprints: dict[str, str]
+    lengths: Sequence[int]
+    train_unit: str = "rows"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long the run is: optimizer steps per epoch, in all, and of warmup."""
+
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+
+    def state(self, cfg: RunConfig) -> dict[str, Any]:
+        """The schedule as trainer_state.json records it (a resume compares it)."""
+        return {
+            "total_steps": self.total_steps, "learning_rate": cfg.train.learning_rate,
+            "lr_scheduler": cfg.train.lr_scheduler, "warmup_steps": self.warmup_steps,
+        }  # fmt: skip
+
+
+@dataclass
+class RunState:
+    """What the loop changes: the optimizer step reached, every logged line (training steps,
+    and evaluations with a `phase`), and at the end the step loop's time and each rank's
+    (memory before the model, peak memory)."""
+
+    step: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    train_seconds: float | None = None
+    peak_memory: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """Everything set-up made, for the loop (`loop.train`) and the task builders.
+
+    `engines` holds the trained DeepSpeed engines by name: "policy" always (the model the run
+    trains and exports), and any a task trains beside it (PPO's "critic"). `summary` collects
+    the start-up summary's lines from every set-up step and task builder. `logger` exists on
+    rank 0 once logging has started (`setup.start_logging`)."""
+
+    cfg: RunConfig
+    dist: DistInfo
+    output: OutputClaim
+    model: ModelSide
+    data: Data
+    ds_plan: DeepSpeedPlan
+    schedule: Schedule
+    engines: dict[str, Engine]
+    ema: WeightEMA | None
+    memory_before_model: int
+    summary: list[str] = field(default_factory=list)
+    state: RunState = field(default_factory=RunState)
+    logger: MetricsLogger | None = None
+
+    @property
+    def policy(self) -> Engine:
+        return self.engines["policy"]
+
+    def configs(self) -> dict[str, Any]:
+        """The resolved run and DeepSpeed configs, as saved beside every checkpoint and model."""
+        return {"run_config.json": self.cfg.to_dict(), "ds_config.json": self.ds_plan.config}

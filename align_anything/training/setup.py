@@ -1,0 +1,423 @@
+"""Set-up: `setup(cfg, spec, stack) -> Run`, in plain steps with typed inputs and outputs,
+cheapest and most likely to fail first (a bad folder, dataset or batch size is reported before
+any weights load):
+
+1. `start_process`: logging backends checked, the process group, seeds;
+2. `claim_output`: the output folder's lock, the run id, the checkpoint to resume from;
+3. `load_model_side`: config, tokenizer or processor, media support, attention kernel;
+4. `build_data`: the encoded splits through the on-disk Arrow cache;
+5. `plan_deepspeed` and the task's schedule, then `check_resume` against the checkpoint;
+6. `build_policy`: the model (ZeRO-3: partitioned as it loads), its trained parts, the engine;
+7. `restore`: a resumed run's checkpoint; the weight average.
+
+Steps that hold something (the process group, the lock, run.json's status, the metrics
+sinks) register their own clean-up on the `ExitStack` the entry point opens, so whatever
+set-up reached is undone in reverse order, also after an error.
+`start_logging` runs after the task is built (its parts add summary lines): the metrics sinks,
+the resolved configs, run.json and the start-up summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from align_anything import atomic, forward, plan
+from align_anything.backend import distributed as comm
+from align_anything.backend import ds_config as dsc
+from align_anything.backend import memory, universal
+from align_anything.backend.engine import Engine
+from align_anything.backend.zero_init import model_init_context
+from align_anything.config import AUTO_PRESET, RunConfig
+from align_anything.data import cache, pipeline
+from align_anything.data.encode import Encoding
+from align_anything.data.multimodal import MediaSupport
+from align_anything.errors import Preempted, UserError
+from align_anything.models import loading as model_loading
+from align_anything.models import parts as model_parts
+from align_anything.models import tied_embeddings, zoo
+from align_anything.models.ema import WeightEMA
+from align_anything.models.prepare import prepare_for_training
+from align_anything.models.sizes import sizes_of
+from align_anything.training import checkpoints, report
+from align_anything.training import output_dir as outdir
+from align_anything.training.run import Data, ModelSide, OutputClaim, Run, Schedule
+from align_anything.training.sources import row_schedule
+from align_anything.training.task import TaskSpec
+from align_anything.training.tracking import (
+    MetricsLogger,
+    check_backends,
+    quiet_library_progress_bars,
+)
+
+
+def setup(cfg: RunConfig, spec: TaskSpec, stack: ExitStack) -> Run:
+    """Everything before the task is built and the first step runs (see the module)."""
+    dist = start_process(cfg, stack)
+    output = claim_output(cfg, dist, stack)
+    model = load_model_side(cfg, device_type=dist.device.type, reward_head=spec.reward_head)
+    if spec.check is not None:
+        spec.check(cfg, model)  # e.g. reward functions resolved before any data or weights
+    data, summary = build_data(cfg, dist, model, spec)
+    if spec.prepare_data is not None:
+        summary += spec.prepare_data(cfg, model, data)
+    resume_state = checkpoints.read_json(output.resume_dir / checkpoints.STATE) if (
+        output.resume_dir is not None
+    ) else None  # fmt: skip
+    ds_plan = plan_deepspeed(cfg, dist, model, output.resume_dir, resume_state)
+    schedule = (spec.schedule or row_schedule)(cfg, data, ds_plan.batch)
+    if resume_state is not None:
+        assert output.resume_dir is not None
+        summary += check_resume(cfg, output.resume_dir, resume_state, data, ds_plan, schedule,
+                                warn=dist.is_main)  # fmt: skip
+    memory_before_model = memory.peak_memory_bytes()  # on CPU: interpreter, libraries, data
+    policy, lines = build_policy(cfg, model, ds_plan, schedule, reward_head=spec.reward_head)
+    summary += lines
+    run = Run(
+        cfg=cfg, dist=dist, output=output, model=model, data=data, ds_plan=ds_plan,
+        schedule=schedule, engines={"policy": policy}, ema=None,
+        memory_before_model=memory_before_model, summary=summary,
+    )  # fmt: skip
+    restore(run)
+    return run
+
+
+# ---------------------------------------------------------------------------- 1, 2: process
+
+
+def start_process(cfg: RunConfig, stack: ExitStack) -> comm.DistInfo:
+    """The logging backends checked (a missing package fails before any compute), library
+    progress bars quietened, the process group (left on exit), the seeds."""
+    check_backends(cfg.logging.backends)
+    quiet_library_progress_bars()
+    # Distributed first: ranks decide data shards, and ZeRO-3 model construction needs it.
+    dist = comm.setup_distributed()
+    stack.callback(comm.teardown_distributed)
+    checkpoints.seed_everything(cfg.train.seed)
+    return dist
+
+
+def claim_output(cfg: RunConfig, dist: comm.DistInfo, stack: ExitStack) -> OutputClaim:
+    """Rank 0 takes the output folder's lock (released on exit) and decides whether this run
+    may write there and from which checkpoint it resumes; every rank learns the outcome."""
+    path = Path(cfg.output_dir)
+    lock = outdir.Lock(path)
+    stack.callback(lock.release)
+    run_id, resume = comm.decide_on_main(
+        lambda: outdir.claim(path, lock, resume=cfg.resume, overwrite=cfg.overwrite_output_dir)
+    )
+    return OutputClaim(path, lock, run_id, Path(resume) if resume else None)
+
+
+# ---------------------------------------------------------------------------- 3: the model
+
+
+def load_model_side(cfg: RunConfig, *, device_type: str, reward_head: bool) -> ModelSide:
+    """The model's config and tokenizer (for image-text / audio-text models, the processor's
+    tokenizer, and media support for the data); the attention kernel checked."""
+    model = cfg.model
+    path = zoo.resolve_model_path(model.name_or_path)
+    config, tokenizer, processor = model_loading.load_text_side(
+        path, trust_remote_code=model.trust_remote_code
+    )
+    modalities = model_loading.modalities_of(config)
+    kernel = model_loading.check_attention(
+        model.attn_implementation, config, reward=reward_head, device_type=device_type,
+        precision=cfg.train.precision,
+    )  # fmt: skip
+    media = MediaSupport(processor, modalities) if modalities else None
+    return ModelSide(model.name_or_path, path, config, tokenizer, processor, media, kernel)
+
+
+def load_pretrained(cfg: RunConfig, model: ModelSide, *, precision: str, reward_head: bool) -> Any:
+    """The model as loaded from `model.name_or_path` (the policy before training, and the
+    frozen reference of DPO, KTO and online RL). Inside `model_init_context` ZeRO-3 loads it
+    partitioned."""
+    loaded = model_loading.load_model(
+        model.path, reward=reward_head, dtype=dsc.torch_dtype(precision),
+        trust_remote_code=cfg.model.trust_remote_code,
+        attn_implementation=model.attn_implementation,
+    )  # fmt: skip
+    if reward_head:
+        # transformers reads the score at the last token that is not the pad token.
+        loaded.config.pad_token_id = model.tokenizer.pad_token_id
+    return loaded
+
+
+# ---------------------------------------------------------------------------- 4: data
+
+
+def data_spec(cfg: RunConfig, *, task: str, kind: str, encoding: Encoding) -> pipeline.Spec:
+    """The data pipeline's input: sources of both splits, split and caps, the encoding."""
+    data = cfg.data
+
+    def sources(value: Any) -> tuple[pipeline.Source, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            return (pipeline.Source(value, data.format, dict(data.columns)),)
+        return tuple(
+            pipeline.Source(
+                s.path,
+                s.format or data.format,
+                dict(s.columns if s.columns is not None else data.columns),
+                s.weight,
+                s.rows,
+            )  # fmt: skip
+            for s in value
+        )
+
+    return pipeline.Spec(
+        train=sources(data.path), eval=sources(data.eval_path), eval_fraction=data.eval_fraction,
+        seed=cfg.train.seed, max_train=data.max_train_samples, max_eval=data.max_eval_samples,
+        task=task, kind=kind, encoding=encoding, max_length=data.max_length,
+        truncation=data.truncation,
+    )  # fmt: skip
+
+
+def build_data(
+    cfg: RunConfig, dist: comm.DistInfo, model: ModelSide, spec: TaskSpec
+) -> tuple[Data, list[str]]:
+    """Load, check, split and encode the data (before any weights: a bad dataset fails in
+    seconds, not after a model load) into the on-disk Arrow cache (`data.cache`), built by
+    local rank 0 of each node while the other ranks wait, then opened by every rank. Returns
+    the data and its start-up summary lines."""
+    pipe = data_spec(cfg, task=spec.name, kind=spec.record_kind, encoding=spec.encoding(cfg))
+    root = cache.cache_root(cfg.data.cache_dir)
+    # Rank 0 reads and hashes the files once; every rank gets the key (or the error).
+    parts = comm.decide_on_main(
+        lambda: cache.key_parts(pipe, tokenizer=model.tokenizer, media=model.media)
+    )
+    note = None
+    if dist.local_rank == 0:
+        num_proc = pipeline.auto_num_proc(cfg.data.num_proc)
+
+        def started(rows: int) -> None:
+            # Only a process that tokenises prints this (tests read it: rank 1 never does).
+            print(f"data: rank {dist.rank} tokenising {rows} rows (data.num_proc={num_proc})",
+                  flush=True)  # fmt: skip
+
+        build = lambda: cache.ensure(  # noqa: E731
+            pipe, parts, root=root, tokenizer=model.tokenizer, media=model.media,
+            model_name=cfg.model.name_or_path, num_proc=num_proc, on_start=started,
+        )  # fmt: skip
+        note = comm.fail_together(build, what="data preparation")
+    else:
+        comm.fail_together(None, what="data preparation")
+    prepared = cache.open_prepared(cache.folder_for(root, pipe, parts), note=note or "")
+    if not len(prepared.train):
+        raise UserError(
+            f"no usable training rows in {pipeline.describe_sources(pipe.train)}:\n"
+            + "\n".join(r.summary() for r in prepared.reports)
+        )
+    fingerprints = checkpoints.fingerprints(
+        pipeline.describe_sources(pipe.train), tokenizer=parts["tokenizer"],
+        data=cache.data_fingerprint(parts),
+    )  # fmt: skip
+    data = Data(
+        train=prepared.train, eval=prepared.eval, eval_records=prepared.eval_records,
+        reports=prepared.reports, fingerprints=fingerprints, lengths=prepared.train.lengths(),
+    )  # fmt: skip
+    lines = [f"  data cache      {prepared.note}"]
+    lines += [f"  data mix        {line}" for line in prepared.mixture]
+    return data, lines
+
+
+# ---------------------------------------------------------------------------- 5: the plan
+
+
+def plan_deepspeed(
+    cfg: RunConfig, dist: comm.DistInfo, model: ModelSide, resume_dir: Path | None,
+    resume_state: dict[str, Any] | None,
+) -> plan.DeepSpeedPlan:  # fmt: skip
+    """The DeepSpeed config, batch plan and precision (`plan.resolve_deepspeed`); for
+    deepspeed=auto, rank 0 asks the memory planner (ranks on other nodes may see other
+    memory)."""
+    world = dist.world_size
+    auto = None
+    if cfg.deepspeed_source == AUTO_PRESET:
+        auto = comm.decide_on_main(lambda: plan.choose_auto_preset(cfg, world_size=world))
+    return plan.resolve_deepspeed(
+        cfg, world_size=world, model_config=model.config, device_type=comm.device_type(),
+        bf16_supported=comm.bf16_supported(), auto_choice=auto,
+        resume=(resume_dir, resume_state) if resume_state is not None else None,
+    )  # fmt: skip
+
+
+def check_resume(
+    cfg: RunConfig, resume_dir: Path, state: dict[str, Any], data: Data,
+    ds_plan: plan.DeepSpeedPlan, schedule: Schedule, *, warn: bool,
+) -> list[str]:  # fmt: skip
+    """The checks a resumed run passes before the model loads (same model, tokenizer, data,
+    global batch), the note on a changed schedule, and a checkpoint of another ZeRO stage or
+    world size converted once to DeepSpeed's universal format."""
+    checkpoints.check_resume(
+        resume_dir, state, now={"model": cfg.model.name_or_path, **data.fingerprints},
+        global_batch=ds_plan.batch.global_batch, allow_mismatch=cfg.checkpoint.allow_mismatch,
+        warn=warn,
+    )  # fmt: skip
+    note = checkpoints.schedule_note(resume_dir.name, state, schedule.state(cfg))
+    if ds_plan.universal:
+        universal.convert_to_universal(resume_dir)
+    return [f"  schedule        {note}"] if note else []
+
+
+# ---------------------------------------------------------------------------- 6: the engine
+
+
+def build_policy(
+    cfg: RunConfig, model: ModelSide, ds_plan: plan.DeepSpeedPlan, schedule: Schedule, *,
+    reward_head: bool,
+) -> tuple[Engine, list[str]]:  # fmt: skip
+    """The trained model (ZeRO-3: partitioned as it loads), its trained parts (frozen parts,
+    LoRA adapters, activation checkpointing), and its engine; start-up summary lines."""
+    with model_init_context(ds_plan.config):
+        loaded = load_pretrained(cfg, model, precision=ds_plan.precision, reward_head=reward_head)
+    prepared, lines = prepare_for_training(
+        loaded, name=cfg.model.name_or_path, freeze=cfg.model.freeze,
+        adapters=cfg.model.lora.adapters(), reward=reward_head,
+        gradient_checkpointing=cfg.speed.gradient_checkpointing,
+    )  # fmt: skip
+    train = cfg.train
+    engine = Engine(
+        prepared, ds_plan.config,
+        adam=dsc.AdamSettings(train.learning_rate, train.adam_betas, train.adam_eps,
+                              train.weight_decay),
+        schedule=train.lr_scheduler, total_steps=schedule.total_steps,
+        warmup_steps=schedule.warmup_steps,
+    )  # fmt: skip
+    # Only where gradients are plain tensors (ZeRO-0, fp32 torch optimizer): see the module.
+    if cfg.speed.tied_grads_in_place and engine.plain_gradients:
+        if tied_embeddings.accumulate_in_place(engine.module):
+            lines.append(
+                "  tied embedding  input embedding and LM head share one matrix: its "
+                "gradient accumulates in place (speed.tied_grads_in_place)"
+            )
+    return engine, lines
+
+
+def completion_only_logits(cfg: RunConfig, policy: Engine) -> bool:
+    """Whether the LM head runs only where a scored token is predicted
+    (`speed.completion_only_logits`, where the model's forward takes `logits_to_keep`)."""
+    return cfg.speed.completion_only_logits and forward.supports_logits_to_keep(policy.module)
+
+
+# ---------------------------------------------------------------------------- 7: restore
+
+
+def restore(run: Run) -> None:
+    """A resumed run's checkpoint into every trained engine and this rank's RNG; the weight
+    average (from the checkpoint when it has one)."""
+    resume = run.output.resume_dir
+    if resume is not None:
+        run.state.step = checkpoints.load(resume, engines=run.engines, rank=run.dist.rank)
+    ema = run.cfg.train.ema
+    if ema.enabled:
+        run.ema = WeightEMA(
+            run.policy, decay=ema.decay, on_device=ema.device == "device",
+            is_main=run.dist.is_main,
+        )  # fmt: skip
+        restored = run.ema.load(resume) if resume is not None else None
+        run.summary.append(f"  ema             {run.ema.describe(restored)}")
+
+
+# ---------------------------------------------------------------------------- logging
+
+
+def start_logging(run: Run, stack: ExitStack, *, task: str) -> None:
+    """On rank 0: the metrics sinks (closed on exit), the resolved configs, run.json (its
+    status recorded on exit: complete, stopped or failed) and the start-up summary."""
+    if not run.dist.is_main:
+        return
+    cfg, out = run.cfg, run.output.path
+    run.logger = MetricsLogger(
+        out, backends=cfg.logging.backends, project=cfg.logging.project,
+        run_name=cfg.logging.run_name, config=cfg.to_dict(),
+        resume=run.output.resume_dir is not None,
+    )  # fmt: skip
+    stack.callback(run.logger.close)
+    for name, data in run.configs().items():
+        (out / name).write_text(atomic.to_json(data))
+    stack.enter_context(run_record(run, task=task))
+    print(report.startup_summary(startup_facts(run, task=task)), flush=True)
+
+
+@contextlib.contextmanager
+def run_record(run: Run, *, task: str) -> Iterator[None]:
+    """run.json says `running` while the block runs, then how it ended: `complete`, `stopped`
+    (a signal: a checkpoint was written) or `failed`."""
+    outdir.start_run(run.output.path, run.output.run_id, task=task, step=run.state.step,
+                     resumed_from=run.output.resume_dir)  # fmt: skip
+    status = "failed"
+    try:
+        yield
+        status = "complete"
+    except Preempted:
+        status = "stopped"
+        raise
+    finally:
+        outdir.finish_run(run.output.path, status=status, step=run.state.step)
+
+
+def startup_facts(run: Run, *, task: str) -> report.StartupFacts:
+    """What the start-up summary shows, read off the set-up run."""
+    cfg, ds_plan, policy = run.cfg, run.ds_plan, run.policy
+    trainable, frozen = model_loading.count_parameters(policy.module)
+    offload = [
+        name for name, on in (("optimizer", dsc.offloads_optimizer(ds_plan.config)),
+                              ("parameters", dsc.offloads_params(ds_plan.config))) if on
+    ]  # fmt: skip
+    parts = None
+    if run.model.media is not None or cfg.model.freeze:
+        parts = model_parts.describe_parts(model_parts.part_counts(policy.module))
+    return report.StartupFacts(
+        task=task, model=cfg.model.name_or_path, model_type=run.model.config.model_type,
+        trainable=trainable, frozen=frozen, parts=parts,
+        world=f"{ds_plan.batch.world_size} ({run.dist.backend} on {run.dist.device.type})",
+        batch=ds_plan.batch.describe(), total_steps=run.schedule.total_steps,
+        steps_per_epoch=run.schedule.steps_per_epoch, train_rows=len(run.data.train),
+        train_unit=run.data.train_unit, eval_rows=len(run.data.eval),
+        zero_stage=policy.zero_stage, offload=offload, preset_file=Path(ds_plan.source).name,
+        precision=ds_plan.precision,
+        attention=f"{policy.module.config._attn_implementation} "
+        f"(model.attn_implementation={cfg.model.attn_implementation})",
+        ds_config=json.dumps(ds_plan.config, separators=(",", ":")),
+        memory_plan=f"{memory_plan(run)}; now {memory.memory_summary()}",
+        lines=[*ds_plan.notes, *run.summary],
+        data_reports=[r.summary() for r in run.data.reports],
+        logging_notes=list(run.logger.notes) if run.logger is not None else [],
+        output_dir=str(run.output.path),
+        resumed=(str(run.output.resume_dir), run.state.step) if run.output.resume_dir else None,
+        universal=ds_plan.universal,
+    )  # fmt: skip
+
+
+def memory_plan(run: Run) -> str:
+    """The planner's per-device estimate for this run's resolved preset (the figure
+    `python -m align_anything plan` and `deepspeed=auto` use)."""
+    ds_plan = run.ds_plan
+    sizes = sizes_of(run.policy.module, run.model.config)
+    world = ds_plan.batch.world_size
+    estimate = plan.estimate_preset(
+        Path(ds_plan.source).stem, ds_plan.config, sizes, run.cfg, world_size=world,
+        precision=ds_plan.precision, gpus_per_node=plan.local_devices(world),
+    )  # fmt: skip
+    return report.describe_estimate(estimate)
+
+
+def fresh_model_loader(run: Run, *, reward_head: bool = False) -> Callable[[], torch.nn.Module]:
+    """A function that loads the model as it was before training (a frozen reference),
+    partitioned like the policy under ZeRO-3."""
+
+    def load() -> torch.nn.Module:
+        with model_init_context(run.ds_plan.config):
+            return load_pretrained(run.cfg, run.model, precision=run.ds_plan.precision,
+                                   reward_head=reward_head)  # fmt: skip
+
+    return load

@@ -1,0 +1,60 @@
+"""The step source of offline tasks: each optimizer step's micro-batches are seeded batches of
+the encoded training rows (`batching`: a pure function of the seed, the epoch and the step, so
+the same rows form a step on any number of ranks and after a resume)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from align_anything.backend.ds_config import BatchPlan
+from align_anything.config import RunConfig
+from align_anything.data.batches import to_device
+from align_anything.training.batching import plan_steps, rank_step_rows
+from align_anything.training.run import Data, Run, Schedule
+from align_anything.training.task import StepBatches
+
+# A step's rows from their indices: (step, row indices) -> encoded rows.
+RowsOfStep = Callable[[int, list[int]], list[dict]]
+
+
+def row_schedule(cfg: RunConfig, data: Data, batch: BatchPlan) -> Schedule:
+    """Epochs of global batches of the training rows (`train.max_steps` > 0 overrides
+    `train.epochs`), with `train.warmup_ratio` of them warming up."""
+    train = cfg.train
+    per_epoch, total, warmup = plan_steps(
+        len(data.train), batch, max_steps=train.max_steps, epochs=train.epochs,
+        warmup_ratio=train.warmup_ratio,
+    )  # fmt: skip
+    return Schedule(per_epoch, total, warmup)
+
+
+class RowBatches:
+    """This rank's micro-batches of each step: the step's seeded rows
+    (`batching.rank_step_rows`; grouped by length when `speed.group_by_length`), made into
+    batches by the task's `collate`, on the policy's device. `rows_of_step` turns a step's row
+    indices into rows (default: the rows themselves; KTO adds the completion each row's
+    prompt is paired with for its KL estimate, which depends on the step)."""
+
+    def __init__(
+        self, run: Run, collate: Callable[[list[dict]], Any], *,
+        rows_of_step: RowsOfStep | None = None,
+    ) -> None:  # fmt: skip
+        self.rows: Sequence[dict] = run.data.train
+        self.batch = run.ds_plan.batch
+        self.rank = run.dist.rank
+        self.seed = run.cfg.train.seed
+        self.steps_per_epoch = run.schedule.steps_per_epoch
+        self.lengths = run.data.lengths if run.cfg.speed.group_by_length else None
+        self.collate = collate
+        self.rows_of_step = rows_of_step or (lambda step, indices: [self.rows[i] for i in indices])
+        self.device = run.policy.device
+
+    def step(self, step: int) -> StepBatches:
+        slices = rank_step_rows(
+            step, len(self.rows), self.batch, rank=self.rank, seed=self.seed,
+            steps_per_epoch=self.steps_per_epoch, lengths=self.lengths,
+        )  # fmt: skip
+        return StepBatches(
+            [to_device(self.collate(self.rows_of_step(step, s)), self.device) for s in slices]
+        )
