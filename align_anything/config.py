@@ -9,7 +9,6 @@ here -> preset JSON loaded (duplicate keys rejected) with `deepspeed.*` override
 from __future__ import annotations
 
 import json
-import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from pydantic import (
 )
 
 from align_anything.errors import ConfigError, did_you_mean
+from align_anything.losses import rules as loss_rules
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 PRESET_DIR = CONFIG_DIR / "deepspeed"
@@ -307,19 +307,6 @@ class SFTSection(_Section):
     )
 
 
-# The loss types of `losses.dpo_loss` (config sits below losses in the layers, so it keeps its
-# own copy; tests/test_dpo_loss_types.py keeps the two equal), and the rules for combining them.
-DPO_LOSS_NAMES: tuple[str, ...] = (
-    "sigmoid", "ipo", "hinge", "robust", "simpo", "orpo",
-    "apo_zero", "apo_down", "bco_pair", "exo_pair", "nca_pair", "sppo_hard",
-    "aot", "aot_unpaired", "discopop", "sigmoid_norm", "sft",
-)  # fmt: skip
-# Reference-free preference losses: they cannot share a list with types that need a reference.
-_REFERENCE_FREE_PREFERENCE = ("simpo", "orpo")
-# Types that read dpo.label_smoothing.
-_SMOOTHED_LOSS_NAMES = ("sigmoid", "robust", "simpo", "exo_pair", "aot", "aot_unpaired")
-
-
 def _names(loss_type: str | list[str]) -> list[str]:
     return [loss_type] if isinstance(loss_type, str) else list(loss_type)
 
@@ -378,35 +365,15 @@ class DPOSection(_AgainstReference):
     @classmethod
     def _known_loss_types(cls, value: Any) -> Any:
         names = [value] if isinstance(value, str) else value
-        allowed = ", ".join(repr(name) for name in DPO_LOSS_NAMES)
+        allowed = ", ".join(repr(name) for name in loss_rules.DPO_LOSS_TYPES)
         if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
             raise ValueError(f"Input should be {allowed} or a list of them")
-        unknown = [name for name in names if name not in DPO_LOSS_NAMES]
+        unknown = [name for name in names if name not in loss_rules.DPO_LOSS_TYPES]
         if unknown:
-            hints = "".join(did_you_mean(name, DPO_LOSS_NAMES) for name in unknown)
+            hints = "".join(did_you_mean(name, loss_rules.DPO_LOSS_TYPES) for name in unknown)
             listed = "" if isinstance(value, str) else f"; unknown: {', '.join(map(repr, unknown))}"
             raise ValueError(f"Input should be {allowed} or a list of them{listed}{hints}")
-        problems = []
-        if not names:
-            problems.append("the list is empty: give at least one loss type")
-        repeated = sorted({name for name in names if names.count(name) > 1})
-        if repeated:
-            problems.append(
-                f"{', '.join(repeated)} listed more than once: list each type once and weight "
-                "it in dpo.loss_weights"
-            )
-        if names and set(names) == {"sft"}:
-            problems.append(
-                "sft alone is no preference loss: list it beside one (e.g. [sigmoid,sft]); for "
-                "supervised fine-tuning use task=sft"
-            )
-        free = [name for name in names if name in _REFERENCE_FREE_PREFERENCE]
-        with_reference = [n for n in names if n not in (*_REFERENCE_FREE_PREFERENCE, "sft")]
-        if free and with_reference:
-            problems.append(
-                f"the reference-free {', '.join(free)} cannot be combined with types that need a "
-                f"reference model (here {', '.join(with_reference)}); sft goes with both"
-            )
+        problems = loss_rules.combination_problems(names)
         if problems:
             raise ValueError("; ".join(problems))
         return value
@@ -418,19 +385,9 @@ class DPOSection(_AgainstReference):
     ) -> list[float] | None:
         if value is None:
             return value
-        problems = []
-        if "loss_type" in info.data:
-            names = _names(info.data["loss_type"])
-            if len(value) != len(names):
-                problems.append(
-                    f"{len(value)} weights for {len(names)} loss types ({', '.join(names)}): "
-                    "give one per dpo.loss_type entry, in the same order, or null for all 1.0"
-                )
-        bad = [w for w in value if not math.isfinite(w) or w < 0]
-        if bad:
-            problems.append(f"weights must be finite and >= 0, got {', '.join(map(str, bad))}")
-        elif value and not any(w > 0 for w in value):
-            problems.append("at least one weight must be > 0")
+        # Without a valid loss_type (its own error) the count cannot be checked.
+        names = _names(info.data["loss_type"]) if "loss_type" in info.data else None
+        problems = loss_rules.weight_problems(names, value)
         if problems:
             raise ValueError("; ".join(problems))
         return value
@@ -440,16 +397,9 @@ class DPOSection(_AgainstReference):
     def _smoothing_applies(cls, value: float, info: ValidationInfo) -> float:
         if "loss_type" not in info.data:
             return value
-        names = _names(info.data["loss_type"])
-        if "exo_pair" in names and value == 0:
-            raise ValueError(
-                "exo_pair needs label_smoothing > 0 (EXO's epsilon; its paper suggests 1e-3)"
-            )
-        if value and not any(name in _SMOOTHED_LOSS_NAMES for name in names):
-            raise ValueError(
-                f"has no effect with loss_type {', '.join(names)}: it applies to "
-                f"{', '.join(_SMOOTHED_LOSS_NAMES)}; leave it at 0.0"
-            )
+        problems = loss_rules.smoothing_problems(_names(info.data["loss_type"]), value)
+        if problems:
+            raise ValueError("; ".join(problems))
         return value
 
     @field_validator("rpo_alpha")

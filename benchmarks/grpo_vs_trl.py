@@ -209,6 +209,7 @@ def ours_score(model: str, fixed: dict[str, Any], *, loss_type: str = "dapo",
     import torch
 
     from align_anything.data import IGNORE_INDEX
+    from align_anything.data.batches import Rows
     from align_anything.forward import completion_token_logps
     from align_anything.losses import grpo_per_token_loss, loss_items, loss_sum
     from align_anything.models.loading import load_model, load_tokenizer
@@ -231,7 +232,7 @@ def ours_score(model: str, fixed: dict[str, Any], *, loss_type: str = "dapo",
         attention[b, : len(ids)] = 1
         labels[b, len(prompt) : len(ids)] = torch.tensor(completion)
         mask[b, : len(completion)] = 1.0
-    batch = {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+    batch = Rows(input_ids, attention, labels)
     logps = completion_token_logps(net, batch, completion_only=True)
     per_token, _ = grpo_per_token_loss(
         logps, logps.detach(), torch.tensor(fixed["advantages"]), epsilon_low=0.2,

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from align_anything.data import IGNORE_INDEX
+from align_anything.data.batches import Rows
 from align_anything.forward import completion_forward, supports_logits_to_keep
 from align_anything.models.zoo import resolve_model_path
 
@@ -18,7 +19,7 @@ def tiny_model() -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-def _batch() -> dict[str, torch.Tensor]:
+def _batch() -> Rows:
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, 1000, (3, 12), generator=generator)
     attention_mask = torch.ones_like(input_ids)
@@ -28,7 +29,7 @@ def _batch() -> dict[str, torch.Tensor]:
     labels[1, :3] = IGNORE_INDEX
     labels[1, 9:] = IGNORE_INDEX  # padding
     labels[2, :8] = IGNORE_INDEX
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return Rows(input_ids, attention_mask, labels)
 
 
 def test_completion_only_equals_full_path(tiny_model: torch.nn.Module) -> None:

@@ -25,6 +25,7 @@ from align_anything.data import (
     load_records,
     split_records,
 )
+from align_anything.data.collate import collate_margins
 from align_anything.data.formats import check_kind
 from align_anything.errors import ConfigError, DataError, ModelError
 
@@ -630,7 +631,7 @@ def test_collate_sft_pads_right():
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 2, 2]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
-    assert all(t.dtype == torch.long for t in batch.values())
+    assert all(t.dtype == torch.long for t in (batch.input_ids, batch.attention_mask, batch.labels))
 
 
 def test_collate_preference_chosen_first_then_rejected():
@@ -657,12 +658,11 @@ def test_collate_preference_chosen_first_then_rejected():
         [-100, -100, 4, 5, 6],
         [-100, 10, -100, -100, -100],
     ]
-    assert batch["margin"].tolist() == [1.0, 0.0] and batch["margin"].dtype == torch.float32
-    assert "margin" not in collate_preference(
-        [{k: v for k, v in rows[0].items() if k != "margin"}], pad_id=0
-    )
+    margin = collate_margins(rows)
+    assert margin.tolist() == [1.0, 0.0] and margin.dtype == torch.float32
+    assert collate_margins([{k: v for k, v in rows[0].items() if k != "margin"}]) is None
     with pytest.raises(DataError, match="1 of 2 rows in a batch have no margin"):
-        collate_preference([rows[0], {**rows[1], "margin": None}], pad_id=0)
+        collate_margins([rows[0], {**rows[1], "margin": None}])
 
 
 def test_end_to_end_sft_batch_from_file(tokenizer, tmp_path):

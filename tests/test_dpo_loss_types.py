@@ -22,7 +22,7 @@ from align_anything.backend.ds_config import BatchPlan
 from align_anything.config import load_config
 from align_anything.errors import ConfigError
 from align_anything.losses import dpo_loss
-from align_anything.losses import preference as losses_module
+from align_anything.losses.rules import DPO_LOSS_TYPES
 from align_anything.training.batching import rank_step_rows
 
 LN2 = math.log(2.0)
@@ -43,19 +43,54 @@ def config_error(*overrides: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# The config's copy of the names and rules agrees with losses.py
+# The config and the loss apply one set of rules (losses/rules.py)
 # ------------------------------------------------------------------------------------------
 
 
-def test_config_and_losses_name_the_same_types_and_rules() -> None:
-    assert config_module.DPO_LOSS_NAMES == losses_module.DPO_LOSS_TYPES
-    assert config_module._REFERENCE_FREE_PREFERENCE == losses_module._REFERENCE_FREE_PREFERENCE
-    assert config_module._SMOOTHED_LOSS_NAMES == losses_module._SMOOTHED_LOSS_TYPES
+@pytest.mark.parametrize(
+    ("loss_type", "weights", "smoothing"),
+    [
+        (["sigmoid"], None, 0.0), (["sigmoid", "bco_pair", "sft"], [0.8, 0.2, 1.0], 0.0),
+        (["sigmoid", "sigmoid"], None, 0.0), (["sft"], None, 0.0), (["orpo", "sigmoid"], None, 0.0),
+        (["simpo", "sft"], None, 0.1), (["sigmoid", "hinge"], [1.0], 0.0),
+        (["hinge"], [0.0], 0.0), (["hinge"], None, 0.1), (["exo_pair"], None, 0.0),
+        (["exo_pair"], None, 1e-3), (["robust"], None, 0.4),
+    ],
+)  # fmt: skip
+def test_config_refuses_exactly_what_the_loss_refuses(
+    loss_type: list[str], weights: list[float] | None, smoothing: float
+) -> None:
+    """One rule set: a combination the config accepts is one `dpo_loss` computes, and a
+    combination it refuses `dpo_loss` refuses too (neither keeps a copy of the rules)."""
+    import torch
+
+    from align_anything import losses
+
+    overrides = [f"dpo.loss_type=[{','.join(loss_type)}]", "dpo.rpo_alpha=0",
+                 f"dpo.label_smoothing={smoothing}"]  # fmt: skip
+    if weights is not None:
+        overrides.append(f"dpo.loss_weights=[{','.join(map(str, weights))}]")
+    try:
+        load_config(["task=dpo", *overrides])
+        config_ok = True
+    except ConfigError:
+        config_ok = False
+    logps = torch.tensor([-3.0, -4.0])
+    try:
+        losses.dpo_loss(
+            logps, logps - 1, logps, logps - 1, beta=0.1, loss_type=loss_type,
+            loss_weights=weights, label_smoothing=smoothing,
+            chosen_token_counts=torch.tensor([2, 3]), rejected_token_counts=torch.tensor([2, 2]),
+        )  # fmt: skip
+        loss_ok = True
+    except ValueError:
+        loss_ok = False
+    assert config_ok == loss_ok
 
 
 @pytest.mark.parametrize(
     "overrides",
-    [[f"dpo.loss_type={name}"] for name in config_module.DPO_LOSS_NAMES if name != "sft"]
+    [[f"dpo.loss_type={name}"] for name in DPO_LOSS_TYPES if name != "sft"]
     + [
         [
             "dpo.loss_type=[sigmoid,bco_pair,sft]",

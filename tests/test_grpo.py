@@ -106,6 +106,7 @@ def test_completions_do_not_depend_on_the_batch_they_are_drawn_in(tiny_backend) 
 def test_completion_token_logps_are_each_completion_token_left_aligned(
     tiny_backend, completion_only: bool
 ) -> None:
+    from align_anything.data.batches import Rows
     from align_anything.forward import completion_token_logps
 
     backend, _ = tiny_backend
@@ -119,7 +120,7 @@ def test_completion_token_logps_are_each_completion_token_left_aligned(
     attention[1, 6] = 0
     labels[1, 6] = -100
     labels[1, 5] = ids[1, 5]
-    batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
+    batch = Rows(ids, attention, labels)
     with torch.no_grad():
         got = completion_token_logps(model, batch, completion_only=completion_only)
         logps = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits, -1)

@@ -17,23 +17,23 @@ import pytest
 import torch
 
 from align_anything.data import collate_unpaired, encode_unpaired, load_records
+from align_anything.data.batches import SharedPrefix
 from align_anything.data.builtin import BUILTIN_DATASETS, builtin_path, generate, to_jsonl
 from align_anything.data.formats import RowRejected, check_kind, parse_label, unpair
 from align_anything.data.layouts import supports_shared_prompt
 from align_anything.errors import DataError
-from align_anything.forward import completion_forward
+from align_anything.forward import completion_forward, sequence_logps
 from align_anything.losses import kto_kl_reference, kto_loss
 from align_anything.models.loading import load_tokenizer
 from align_anything.models.zoo import resolve_model_path
-from align_anything.train import main
-from align_anything.trainers.kto import (
+from align_anything.tasks.kto import (
     balance_note,
     collate_rows,
     kl_completion,
-    pair_logps,
+    reference_logps,
     rotated_partners,
-    sequence_logps,
 )
+from align_anything.train import main
 
 SIGMOID_1 = 0.7310585786300049
 SIGMOID_HALF = 0.6224593312018546
@@ -277,12 +277,16 @@ def test_collate_unpaired_pads_each_sequence_set_on_its_own() -> None:
         {"prompt_ids": [11], "completion_ids": [12, 13], "kl_ids": [14], "label": False},
     ]
     batch = collate_unpaired(rows, pad_id=0)
-    assert batch["input_ids"].tolist() == [[5, 6, 7], [11, 12, 13]]
-    assert batch["labels"].tolist() == [[-100, -100, 7], [-100, 12, 13]]
-    assert batch["desirable"].tolist() == [True, False]
-    assert batch["kl_input_ids"].tolist() == [[5, 6, 8, 9, 10], [11, 14, 0, 0, 0]]
-    assert batch["kl_labels"].tolist() == [[-100, -100, 8, 9, 10], [-100, 14, -100, -100, -100]]
-    assert batch["kl_attention_mask"].tolist() == [[1] * 5, [1, 1, 0, 0, 0]]
+    assert batch.input_ids.tolist() == [[5, 6, 7], [11, 12, 13]]
+    assert batch.labels.tolist() == [[-100, -100, 7], [-100, 12, 13]]
+    kl = collate_unpaired(rows, pad_id=0, completion="kl_ids")
+    assert kl.input_ids.tolist() == [[5, 6, 8, 9, 10], [11, 14, 0, 0, 0]]
+    assert kl.labels.tolist() == [[-100, -100, 8, 9, 10], [-100, 14, -100, -100, -100]]
+    assert kl.attention_mask.tolist() == [[1] * 5, [1, 1, 0, 0, 0]]
+    kto = collate_rows(rows, pad_id=0, share_prefix=False, additive_mask_dtype=None)
+    assert kto.desirable.tolist() == [True, False]
+    assert kto.own.input_ids.tolist() == batch.input_ids.tolist()
+    assert kto.kl.input_ids.tolist() == kl.input_ids.tolist()
 
 
 # ---------------------------------------------------------------------------- KL pairs
@@ -361,16 +365,16 @@ def test_shared_layouts_equal_the_plain_rows(rows, attn: str, completion_only: b
     plain = collate_rows(rows, pad_id=0, share_prefix=False, additive_mask_dtype=mask)
     shared = collate_rows(rows, pad_id=0, share_prefix=True, additive_mask_dtype=mask)
     one_row = rows is HEADER
-    assert ("shared_own_input_ids" in shared) is one_row and (
-        "shared_kl_input_ids" in shared
-    ) is one_row
-    assert "pair_input_ids" in shared and not any(k.startswith("shared_") for k in plain)
+    assert isinstance(shared.own, SharedPrefix) is one_row
+    assert isinstance(shared.kl, SharedPrefix) is one_row
+    assert shared.reference_pass is not None and plain.reference_pass is None
+    assert not isinstance(plain.own, SharedPrefix) and not isinstance(plain.kl, SharedPrefix)
     if one_row:  # the common prefix once: one row per layout
-        assert shared["shared_own_input_ids"].shape[0] == shared["pair_input_ids"].shape[0] == 1
+        assert shared.own.input_ids.shape[0] == shared.reference_pass.input_ids.shape[0] == 1
 
     def trained(batch):
         model.zero_grad()
-        logps = sequence_logps(model, batch, kl=False, completion_only=completion_only)
+        logps = sequence_logps(model, batch.own, completion_only=completion_only)[0]
         (logps * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
         return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -380,19 +384,19 @@ def test_shared_layouts_equal_the_plain_rows(rows, attn: str, completion_only: b
         scale = float(grad.abs().max())
         torch.testing.assert_close(grads_shared[name], grad, rtol=0, atol=1e-5 * scale, msg=name)
     with torch.no_grad():
-        kl_plain = sequence_logps(model, plain, kl=True, completion_only=completion_only)
-        kl_shared = sequence_logps(model, shared, kl=True, completion_only=completion_only)
-        full, counts = completion_forward(model, plain, completion_only=False)
+        kl_plain = sequence_logps(model, plain.kl, completion_only=completion_only)[0]
+        kl_shared = sequence_logps(model, shared.kl, completion_only=completion_only)[0]
+        full, counts = completion_forward(model, plain.own, completion_only=False)
     torch.testing.assert_close(kl_shared, kl_plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(own_plain, full, rtol=1e-5, atol=1e-5)
     assert counts.tolist() == [3, 1, 2]
-    for got, want in zip(pair_logps(model, shared, completion_only=completion_only),
+    for got, want in zip(reference_logps(model, shared, completion_only=completion_only),
                          (own_plain, kl_plain), strict=True):  # fmt: skip
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # Rows carrying precomputed log-probs need no reference layout.
     with_ref = [{**r, "ref_logps": -1.0, "ref_kl_logps": -2.0} for r in rows]
     batch = collate_rows(with_ref, pad_id=0, share_prefix=True, additive_mask_dtype=mask)
-    assert "pair_input_ids" not in batch and batch["ref_kl_logps"].tolist() == [-2.0] * 3
+    assert batch.reference_pass is None and batch.ref_kl_logps.tolist() == [-2.0] * 3
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from align_anything.data import IGNORE_INDEX
+from align_anything.data.batches import Rows
 from align_anything.forward import completion_forward
 from align_anything.models.tied_embeddings import accumulate_in_place, tied_weight
 from align_anything.models.zoo import resolve_model_path
@@ -23,7 +24,7 @@ def _tiny() -> torch.nn.Module:
     )
 
 
-def _batch(pad_id: int, seed: int) -> dict[str, torch.Tensor]:
+def _batch(pad_id: int, seed: int) -> Rows:
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, 1000, (3, 10), generator=generator)
     attention_mask = torch.ones_like(input_ids)
@@ -35,10 +36,10 @@ def _batch(pad_id: int, seed: int) -> dict[str, torch.Tensor]:
     labels = input_ids.clone()
     labels[:, :4] = IGNORE_INDEX
     labels[1, 7:] = IGNORE_INDEX
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    return Rows(input_ids, attention_mask, labels)
 
 
-def _accumulated_grads(model: torch.nn.Module, batches: list[dict]) -> dict[str, torch.Tensor]:
+def _accumulated_grads(model: torch.nn.Module, batches: list[Rows]) -> dict[str, torch.Tensor]:
     """Gradients after one backward pass per batch, accumulated (gradient accumulation)."""
     model.zero_grad(set_to_none=True)
     for batch in batches:

@@ -2,6 +2,8 @@
 trainers turn config values into the keyword arguments. (Log-probs come from
 `align_anything.forward`; SFT's loss is the negative of their mean.)
 
+- `rules`: the DPO loss types by name and the rules for combining them (no torch: the run
+  config reads them too);
 - `preference`: the DPO family (`dpo_loss` and its named types) and the SFT term;
 - `kto`: KTO's loss and its KL reference point;
 - `reward`: the reward model's pairwise loss;
@@ -9,80 +11,62 @@ trainers turn config values into the keyword arguments. (Log-probs come from
   aggregation, RLOO's leave-one-out advantages, KL-in-reward and loss.
 
 Every public name is re-exported here, so `from align_anything import losses; losses.X` works.
+The re-exports load their module on first use (PEP 562), so that importing `losses.rules`
+does not import torch.
 """
 
-from align_anything.losses.kto import KTOLossOutput, kto_kl_reference, kto_loss
-from align_anything.losses.preference import (
-    BATCH_SORTED_LOSS_TYPES,
-    DPO_LOSS_TYPES,
-    REFERENCE_FREE_LOSS_TYPES,
-    DPOLossOutput,
-    aot_loss,
-    aot_unpaired_loss,
-    apo_down_loss,
-    apo_zero_loss,
-    bco_pair_loss,
-    discopop_loss,
-    dpo_loss,
-    exo_pair_loss,
-    nca_pair_loss,
-    needs_reference,
-    sft_loss,
-    sigmoid_norm_loss,
-    sppo_hard_loss,
-)
-from align_anything.losses.reward import reward_loss
-from align_anything.losses.rl import (
-    GRPO_LOSS_TYPES,
-    SCALE_REWARDS,
-    STD_EPS,
-    ClipStats,
-    group_advantages,
-    group_reward_std,
-    grpo_per_token_loss,
-    loss_items,
-    loss_sum,
-    nanstd,
-    rloo_advantages,
-    rloo_per_sequence_loss,
-    rloo_reward_with_kl,
-    rloo_sequence_kl,
-)
+from __future__ import annotations
 
-__all__ = [
-    "BATCH_SORTED_LOSS_TYPES",
-    "DPO_LOSS_TYPES",
-    "GRPO_LOSS_TYPES",
-    "REFERENCE_FREE_LOSS_TYPES",
-    "SCALE_REWARDS",
-    "STD_EPS",
-    "ClipStats",
-    "DPOLossOutput",
-    "KTOLossOutput",
-    "aot_loss",
-    "aot_unpaired_loss",
-    "apo_down_loss",
-    "apo_zero_loss",
-    "bco_pair_loss",
-    "discopop_loss",
-    "dpo_loss",
-    "exo_pair_loss",
-    "group_advantages",
-    "group_reward_std",
-    "grpo_per_token_loss",
-    "kto_kl_reference",
-    "kto_loss",
-    "loss_items",
-    "loss_sum",
-    "nanstd",
-    "nca_pair_loss",
-    "needs_reference",
-    "reward_loss",
-    "rloo_advantages",
-    "rloo_per_sequence_loss",
-    "rloo_reward_with_kl",
-    "rloo_sequence_kl",
-    "sft_loss",
-    "sigmoid_norm_loss",
-    "sppo_hard_loss",
-]
+import importlib
+from typing import Any
+
+# Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    "KTOLossOutput": "kto",
+    "kto_kl_reference": "kto",
+    "kto_loss": "kto",
+    "DPOLossOutput": "preference",
+    "aot_loss": "preference",
+    "aot_unpaired_loss": "preference",
+    "apo_down_loss": "preference",
+    "apo_zero_loss": "preference",
+    "bco_pair_loss": "preference",
+    "discopop_loss": "preference",
+    "dpo_loss": "preference",
+    "exo_pair_loss": "preference",
+    "nca_pair_loss": "preference",
+    "sft_loss": "preference",
+    "sigmoid_norm_loss": "preference",
+    "sppo_hard_loss": "preference",
+    "reward_loss": "reward",
+    "ClipStats": "rl",
+    "GRPO_LOSS_TYPES": "rl",
+    "SCALE_REWARDS": "rl",
+    "STD_EPS": "rl",
+    "group_advantages": "rl",
+    "group_reward_std": "rl",
+    "grpo_per_token_loss": "rl",
+    "loss_items": "rl",
+    "loss_sum": "rl",
+    "nanstd": "rl",
+    "rloo_advantages": "rl",
+    "rloo_per_sequence_loss": "rl",
+    "rloo_reward_with_kl": "rl",
+    "rloo_sequence_kl": "rl",
+    "BATCH_SORTED_LOSS_TYPES": "rules",
+    "DPO_LOSS_TYPES": "rules",
+    "REFERENCE_FREE_LOSS_TYPES": "rules",
+    "needs_reference": "rules",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

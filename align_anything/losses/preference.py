@@ -15,35 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# The loss types `dpo_loss` understands. The run config keeps its own copy of these names
-# (config.py sits below this module in the layers); a test keeps the two equal.
-DPO_LOSS_TYPES: tuple[str, ...] = (
-    "sigmoid", "ipo", "hinge", "robust", "simpo", "orpo",
-    "apo_zero", "apo_down", "bco_pair", "exo_pair", "nca_pair", "sppo_hard",
-    "aot", "aot_unpaired", "discopop", "sigmoid_norm", "sft",
-)  # fmt: skip
-# Types that read no reference log-probs. simpo and orpo are whole preference losses without a
-# reference and may not share a list with a type that needs one; sft goes with any type.
-REFERENCE_FREE_LOSS_TYPES: tuple[str, ...] = ("simpo", "orpo", "sft")
-_REFERENCE_FREE_PREFERENCE: tuple[str, ...] = ("simpo", "orpo")
-# Types whose formula uses length-normalised log-probs, so token counts are required.
-_NEEDS_TOKEN_COUNTS: tuple[str, ...] = ("ipo", "simpo", "orpo", "sigmoid_norm", "sft")
-# Types whose log-ratios (and so their logged rewards) are per-token averages.
-_PER_TOKEN_LOGRATIOS: tuple[str, ...] = ("ipo", "sigmoid_norm")
-# Types that read label_smoothing: a preference label's flip probability (cDPO, robust, aot), or
-# EXO's ε, the weight its target distribution gives the rejected completion.
-_SMOOTHED_LOSS_TYPES: tuple[str, ...] = (
-    "sigmoid", "robust", "simpo", "exo_pair", "aot", "aot_unpaired",
-)  # fmt: skip
-# Types that sort the batch they are given: their per-pair losses depend on the other pairs of
-# that batch (in the trainer: the micro-batch of one rank).
-BATCH_SORTED_LOSS_TYPES: tuple[str, ...] = ("aot", "aot_unpaired")
-
-
-def needs_reference(loss_types: Sequence[str]) -> bool:
-    """Whether a combination of loss types reads reference log-probs."""
-    return any(name not in REFERENCE_FREE_LOSS_TYPES for name in loss_types)
-
+from align_anything.losses.rules import (
+    DPO_LOSS_TYPES,
+    NEEDS_TOKEN_COUNTS,
+    PER_TOKEN_LOGRATIOS,
+    REFERENCE_FREE_LOSS_TYPES,
+    REFERENCE_FREE_PREFERENCE,
+    combination_problems,
+    needs_reference,
+    smoothing_problems,
+    weight_problems,
+)
 
 # --------------------------------------------------------------------------------------------
 # DPO family
@@ -234,10 +216,10 @@ _TERMS: dict[str, Callable[[_Pairs], Tensor]] = {
 
 def _rewards(name: str, p: _Pairs) -> tuple[Tensor, Tensor]:
     """The implicit rewards `name` defines (see `DPOLossOutput`), detached."""
-    if name in _REFERENCE_FREE_PREFERENCE:
+    if name in REFERENCE_FREE_PREFERENCE:
         chosen, rejected = p.per_token_policy()
     else:
-        chosen, rejected = p.logratios(per_token=name in _PER_TOKEN_LOGRATIOS)
+        chosen, rejected = p.logratios(per_token=name in PER_TOKEN_LOGRATIOS)
     return (p.beta * chosen).detach(), (p.beta * rejected).detach()
 
 
@@ -250,38 +232,22 @@ def _check_dpo_arguments(
     """`dpo_loss`'s argument checks: each problem is a ValueError naming it."""
     shown = repr(names[0]) if len(names) == 1 else repr(list(names))
     unknown = [name for name in names if name not in DPO_LOSS_TYPES]
-    if unknown or not names:
+    if unknown:
         raise ValueError(
-            f"unknown DPO loss_type {', '.join(map(repr, unknown)) or '(none given)'}; "
-            f"expected one of {', '.join(DPO_LOSS_TYPES)}, or a list of them"
+            f"unknown DPO loss_type {', '.join(map(repr, unknown))}; expected one of "
+            f"{', '.join(DPO_LOSS_TYPES)}, or a list of them"
         )
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise ValueError(
-            f"loss_type={shown} lists {', '.join(repeated)} more than once: list each type "
-            "once and weight it in loss_weights"
-        )
-    if set(names) == {"sft"}:
-        raise ValueError(
-            "loss_type='sft' alone is no preference loss: list it beside a preference type"
-        )
-    if needs_reference(names) and any(n in _REFERENCE_FREE_PREFERENCE for n in names):
-        raise ValueError(
-            f"loss_type={shown} mixes the reference-free {', '.join(_REFERENCE_FREE_PREFERENCE)} "
-            "with types that need a reference: use them without the others (sft goes with both)"
-        )
-    if len(weights) != len(names):
-        raise ValueError(
-            f"{len(weights)} loss_weights for {len(names)} loss types {shown}: give one weight "
-            "per type, in the same order"
-        )
-    if any(not math.isfinite(w) or w < 0 for w in weights) or not any(w > 0 for w in weights):
-        raise ValueError(f"loss_weights must be finite and >= 0, one at least > 0; got {weights}")
+    problems = [
+        *combination_problems(names),
+        *weight_problems(names, weights),
+        *(f"label_smoothing {p}" for p in smoothing_problems(names, label_smoothing)),
+    ]
+    if problems:
+        raise ValueError(f"loss_type={shown}: " + "; ".join(problems))
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
     if "discopop" in names and not discopop_tau > 0:
         raise ValueError(f"discopop_tau must be > 0, got {discopop_tau}")
-    _check_label_smoothing(names, shown, label_smoothing)
 
     named: dict[str, Tensor | None] = {
         "policy_chosen_logps": policy_chosen_logps,
@@ -303,7 +269,7 @@ def _check_dpo_arguments(
             )
         named["ref_chosen_logps"] = ref_chosen_logps
         named["ref_rejected_logps"] = ref_rejected_logps
-    if any(name in _NEEDS_TOKEN_COUNTS for name in names):
+    if any(name in NEEDS_TOKEN_COUNTS for name in names):
         if chosen_token_counts is None or rejected_token_counts is None:
             raise ValueError(
                 f"loss_type={shown} uses length-normalised log-probs; pass "
@@ -316,27 +282,6 @@ def _check_dpo_arguments(
     shapes = {name: tuple(t.shape) for name, t in named.items() if t is not None}
     if len(set(shapes.values())) != 1:
         raise ValueError(f"dpo_loss inputs must share one shape, got {shapes}")
-
-
-def _check_label_smoothing(names: tuple[str, ...], shown: str, label_smoothing: float) -> None:
-    smoothed = [name for name in names if name in _SMOOTHED_LOSS_TYPES]
-    if label_smoothing and not smoothed:
-        raise ValueError(
-            f"label_smoothing={label_smoothing} has no effect with loss_type={shown}; "
-            f"it applies to {', '.join(_SMOOTHED_LOSS_TYPES)}"
-        )
-    # robust divides by 1 - 2ε, so it excludes ε = 0.5; cDPO at ε = 0.5 is merely uninformative.
-    # EXO takes log ε, so it needs ε > 0.
-    above_min = label_smoothing > 0 if "exo_pair" in names else label_smoothing >= 0
-    below_max = label_smoothing < 0.5 if "robust" in names else label_smoothing <= 0.5
-    if not (above_min and below_max):
-        allowed = ("(0" if "exo_pair" in names else "[0") + (
-            ", 0.5)" if "robust" in names else ", 0.5]"
-        )
-        raise ValueError(
-            f"label_smoothing for loss_type={shown} must be in {allowed}, got {label_smoothing}"
-            + (" (exo_pair takes log ε; its paper suggests 1e-3)" if "exo_pair" in names else "")
-        )
 
 
 def _simpo_loss(
