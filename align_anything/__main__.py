@@ -12,7 +12,7 @@ import sys
 
 # command -> (module with a `main(argv) -> int`, what it does)
 COMMANDS = {
-    "train": ("align_anything.train", "train: SFT, DPO or a reward model (key=value overrides)"),
+    "train": ("align_anything.train", "train: task=<{tasks}> and key=value overrides"),
     "export": (
         "align_anything.tools.export",
         "a checkpoint or LoRA adapter -> a Hugging Face folder",
@@ -36,8 +36,13 @@ COMMANDS = {
 
 
 def usage() -> str:
+    from align_anything.config import available_tasks
+
+    tasks = "|".join(available_tasks())
     width = max(map(len, COMMANDS))
-    rows = "\n".join(f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items())
+    rows = "\n".join(
+        f"  {name:<{width}}  {what.format(tasks=tasks)}" for name, (_, what) in COMMANDS.items()
+    )
     return (
         "usage: python -m align_anything <command> [arguments]\n\ncommands:\n"
         f"{rows}\n\n`python -m align_anything <command> --help` describes each."

@@ -123,3 +123,74 @@ def folder(final: Path) -> Iterator[Path]:
 def to_json(data: Any) -> str:
     """The project's JSON files (configs, states, summaries): indented, one trailing newline."""
     return json.dumps(data, indent=2) + "\n"
+
+
+# ---------------------------------------------------------------------------- manifests
+#
+# A folder is complete when its manifest, written last, lists every file it holds with its size
+# and xxh3-64 checksum and the files on disk still match (checkpoints, data cache entries).
+# Hand-written: neither DeepSpeed nor `datasets` records what a complete folder holds.
+
+MANIFEST = "manifest.json"
+_CHUNK = 8 << 20
+
+
+def file_digest(path: Path, algorithm: Any = None) -> str:
+    """A hash of a file's bytes, read in chunks: xxh3-64 (the manifests'), or `algorithm` (an
+    `xxhash` constructor, e.g. `xxhash.xxh3_128`)."""
+    import xxhash
+
+    digest = (algorithm or xxhash.xxh3_64)()
+    with Path(path).open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, *, format: int, **fields: Any) -> None:
+    """List every file of a finished folder (its last write, before it is published): the
+    `format`, the caller's `fields`, and each file's size and checksum."""
+    files = {
+        str(p.relative_to(folder)): {"size": p.stat().st_size, "xxh3_64": file_digest(p)}
+        for p in sorted(Path(folder).rglob("*"))
+        if p.is_file() and not p.is_symlink() and p.name != MANIFEST
+    }
+    manifest = {"format": format, **fields, "files": files}
+    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def read_manifest(folder: Path, *, format: int) -> dict[str, Any]:
+    """A folder's manifest; ValueError with a short reason when it is missing, unreadable or
+    of another format."""
+    path = Path(folder) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{MANIFEST} is missing") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{MANIFEST} cannot be read ({err})") from None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != format
+        or not isinstance(manifest.get("files"), dict)
+    ):
+        raise ValueError(f"{MANIFEST} is not a format-{format} manifest")
+    return manifest
+
+
+def manifest_mismatch(folder: Path, manifest: dict[str, Any]) -> str | None:
+    """Why the files under `folder` do not match `manifest` (None when they all do): a missing
+    file, a size or a checksum that differs. Sizes first: a missing or truncated file is found
+    without reading anything."""
+    files = manifest["files"]
+    for name, expected in files.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{name} is {size} bytes, the manifest says {expected['size']} (truncated?)"
+    for name, expected in files.items():
+        if file_digest(Path(folder) / name) != expected["xxh3_64"]:
+            return f"{name} does not match its checksum (the file changed after it was written)"
+    return None

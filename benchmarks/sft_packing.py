@@ -68,7 +68,7 @@ def usable_rows(
     conversations: list[dict[str, Any]], *, count: int, max_length: int, model: str
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The first `count` conversations whose encoding fits `max_length`, and their lengths."""
-    from align_anything.data import encode_sft
+    from align_anything.data.encode import encode_sft
     from align_anything.models.loading import load_tokenizer
     from align_anything.models.zoo import resolve_model_path
 

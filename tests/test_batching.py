@@ -6,7 +6,8 @@ from collections import Counter
 
 from conftest import HH_FILE
 
-from align_anything.data import encode_preference, load_records
+from align_anything.data.encode import encode_preference
+from align_anything.data.formats import load_records
 from align_anything.models.loading import load_tokenizer
 from align_anything.models.zoo import resolve_model_path
 from align_anything.training.batching import (

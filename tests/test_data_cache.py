@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from conftest import HH_FILE, TINY_MODEL, launch
 
-from align_anything.data import cache, encode_preference, encode_sft, encode_unpaired, load_records
-from align_anything.data.encode import Encoding
-from align_anything.data.formats import unpair
+from align_anything.data import cache
+from align_anything.data.encode import Encoding, encode_preference, encode_sft, encode_unpaired
+from align_anything.data.formats import load_records, unpair
 from align_anything.data.pipeline import Source, Spec, mixture_rows
 from align_anything.data.prompts import encode_prompts
 from align_anything.errors import ConfigError, DataError

@@ -124,7 +124,9 @@ def test_dpo_zero3_export_holds_the_trained_weights(
     eval log-probs after training."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from align_anything.data import collate_preference, encode_preference, load_records
+    from align_anything.data import collate_preference
+    from align_anything.data.encode import encode_preference
+    from align_anything.data.formats import load_records
     from align_anything.forward import completion_logps
 
     run = dpo_two_ranks[("z3", "precompute")].check()

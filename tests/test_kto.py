@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from align_anything.data import collate_unpaired, encode_unpaired, load_records
+from align_anything.data import collate_unpaired
 from align_anything.data.batches import SharedPrefix
 from align_anything.data.builtin import BUILTIN_DATASETS, builtin_path, generate, to_jsonl
-from align_anything.data.formats import RowRejected, check_kind, parse_label, unpair
+from align_anything.data.encode import encode_unpaired
+from align_anything.data.formats import RowRejected, check_kind, load_records, parse_label, unpair
 from align_anything.data.layouts import supports_shared_prompt
 from align_anything.errors import DataError
 from align_anything.forward import completion_forward, sequence_logps

@@ -19,7 +19,9 @@ import torch
 from conftest import DPO_ARGS, REPO_ROOT, RM_ARGS, SFT_ARGS, TINY_MODEL, RunResult, launch
 from safetensors.torch import load_file
 
-from align_anything.data import collate_preference, encode_preference, load_records
+from align_anything.data import collate_preference
+from align_anything.data.encode import encode_preference
+from align_anything.data.formats import load_records
 from align_anything.forward import completion_forward
 from align_anything.models.zoo import resolve_model_path
 

@@ -687,7 +687,10 @@ def test_combinations_that_are_refused():
         (dict(loss_type=["simpo", "bco_pair"]), "the reference-free simpo cannot be combined"),
         (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0]), "1 weights for 2 loss types"),
         (dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, -0.5]), ">= 0"),
-        (dict(loss_type=["sigmoid", "sft"], loss_weights=[0.0, 0.0]), "at least one weight must be > 0"),
+        (
+            dict(loss_type=["sigmoid", "sft"], loss_weights=[0.0, 0.0]),
+            "at least one weight must be > 0",
+        ),
         (dict(loss_type="exo_pair"), "exo_pair needs label_smoothing > 0"),
         (dict(loss_type=["exo_pair", "robust"], label_smoothing=0.5), r"\(0, 0.5\)"),
         (dict(loss_type="discopop", discopop_tau=0.0), "discopop_tau"),

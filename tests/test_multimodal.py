@@ -19,13 +19,8 @@ import pytest
 import torch
 from conftest import RunResult, launch
 
-from align_anything.data import (
-    IGNORE_INDEX,
-    collate_preference,
-    collate_sft,
-    encode_preference,
-    encode_sft,
-)
+from align_anything.data import IGNORE_INDEX, collate_preference, collate_sft
+from align_anything.data.encode import encode_preference, encode_sft
 from align_anything.data.multimodal import MediaSupport
 from align_anything.data.synthetic import SAMPLING_RATE, make_dataset
 from align_anything.forward import completion_forward

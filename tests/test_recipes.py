@@ -15,14 +15,9 @@ import pytest
 import torch
 from conftest import COMMON, DPO_ARGS, RECIPE_STEPS, TINY_MODEL, RunResult, launch
 
-from align_anything.data import (
-    collate_preference,
-    collate_sft,
-    encode_preference,
-    encode_sft,
-    load_records,
-    split_records,
-)
+from align_anything.data import collate_preference, collate_sft
+from align_anything.data.encode import encode_preference, encode_sft
+from align_anything.data.formats import load_records, split_records
 from align_anything.forward import completion_logps
 from align_anything.models.zoo import resolve_model_path
 

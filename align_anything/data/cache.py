@@ -42,9 +42,8 @@ from align_anything.data.sources import source_files
 # Raise when the same inputs would encode to other rows (it is part of every key).
 ENCODER_VERSION = 1
 CACHE_FORMAT = 1
-MANIFEST = "manifest.json"
+MANIFEST = atomic.MANIFEST
 SPLITS = ("train", "eval", "eval_records")
-_CHUNK = 8 << 20
 
 
 def cache_root(setting: str | None) -> Path:
@@ -54,14 +53,6 @@ def cache_root(setting: str | None) -> Path:
         return Path(setting).expanduser()
     root = os.environ.get("ALIGN_ANYTHING_CACHE") or Path.home() / ".cache" / "align_anything"
     return Path(root) / "data"
-
-
-def _digest(path: Path, algorithm: Any = xxhash.xxh3_64) -> str:
-    digest = algorithm()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -80,7 +71,10 @@ def _source_part(source: pipeline.Source) -> dict[str, Any]:
 
         content: Any = f"hub:{load_dataset(source.path, 'train')[0]._fingerprint}"
     else:
-        content = [[str(f.resolve()), f.stat().st_size, _digest(f, xxhash.xxh3_128)] for f in files]
+        content = [
+            [str(f.resolve()), f.stat().st_size, atomic.file_digest(f, xxhash.xxh3_128)]
+            for f in files
+        ]
     return {**dataclasses.asdict(source), "content": content}
 
 
@@ -140,35 +134,17 @@ class Prepared:
 def verify(folder: Path) -> str | None:
     """Why `folder` is not a complete cache entry (None when it is): the manifest must parse
     and every file it lists must exist with its size and digest."""
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
+    if not (folder / MANIFEST).is_file():
         return "no manifest (never finished)" if folder.exists() else "not built yet"
-    except (OSError, ValueError) as err:
-        return f"{MANIFEST} cannot be read ({err})"
-    files = manifest.get("files")
-    if manifest.get("format") != CACHE_FORMAT or not isinstance(files, dict):
-        return f"{MANIFEST} is not a format-{CACHE_FORMAT} manifest"
-    for name, expected in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != expected["size"]:
-            return f"{name} is {path.stat().st_size} bytes, the manifest says {expected['size']}"
-    for name, expected in files.items():  # sizes first: a missing file is found without reading
-        if _digest(folder / name) != expected["xxh3_64"]:
-            return f"{name} does not match its checksum (changed after it was written)"
-    return None
+    try:
+        manifest = atomic.read_manifest(folder, format=CACHE_FORMAT)
+    except ValueError as err:
+        return str(err)
+    return atomic.manifest_mismatch(folder, manifest)
 
 
 def _write_manifest(folder: Path, **fields: Any) -> None:
-    files = {
-        str(p.relative_to(folder)): {"size": p.stat().st_size, "xxh3_64": _digest(p)}
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-    manifest = {"format": CACHE_FORMAT, **fields, "files": files}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    atomic.write_manifest(folder, format=CACHE_FORMAT, **fields)
 
 
 EMPTY = "features.json"  # the schema of a split without rows

@@ -100,7 +100,7 @@ def check_rewards(cfg: RunConfig, model: ModelSide) -> None:
 
 
 @dataclass(frozen=True)
-class RoundPlan:
+class RoundSizes:
     """How the prompts split: per rank and per round (one round per μ steps)."""
 
     prompts_per_rank: int
@@ -108,7 +108,7 @@ class RoundPlan:
     rounds_per_epoch: int
 
 
-def round_plan(cfg: RunConfig, prompts: int, batch: Any) -> RoundPlan:
+def round_sizes(cfg: RunConfig, prompts: int, batch: Any) -> RoundSizes:
     """The round sizes; the batch must split into whole groups per rank."""
     rl = cfg.section()
     group = rl.num_generations
@@ -130,13 +130,13 @@ def round_plan(cfg: RunConfig, prompts: int, batch: Any) -> RoundPlan:
             f"{per_round} ({batch.describe()} completions / {group} per prompt): lower "
             "train.per_device_batch_size, or add prompts"
         )
-    return RoundPlan(per_rank // group, per_round, rounds)
+    return RoundSizes(per_rank // group, per_round, rounds)
 
 
 def schedule(cfg: RunConfig, data: Data, batch: Any) -> Schedule:
     """Steps from rounds of prompts: μ steps per round."""
     rl, train = cfg.section(), cfg.train
-    rounds = round_plan(cfg, len(data.train), batch).rounds_per_epoch
+    rounds = round_sizes(cfg, len(data.train), batch).rounds_per_epoch
     per_epoch = rounds * rl.num_iterations
     total = train.max_steps if train.max_steps > 0 else per_epoch * train.epochs
     return Schedule(per_epoch, total, math.ceil(train.warmup_ratio * total))
@@ -266,7 +266,7 @@ class OnlineRL:
     algorithm: Algorithm
     rl: Any  # the task's config section
     policy: Any
-    backend: HFGenerate
+    generator: HFGenerate
     rewards: Rewards
     tokenizer: Any
     media: MediaSupport | None
@@ -360,7 +360,7 @@ class OnlineRL:
         indices = list(range(self.rank, count, self.world))
         rows = [self.eval_rows[i] for i in indices]
         sampling = Sampling(self.rl.max_completion_length, greedy=True)
-        completions = self.backend.generate(rows, 1, sampling, [0] * len(rows))
+        completions = self.generator.generate(rows, 1, sampling, [0] * len(rows))
         texts = self.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
         if self.rewards.model is not None:
             # Reward-model forwards are collective under ZeRO-3: equal calls on every rank.
@@ -415,10 +415,10 @@ class Rollouts:
     """The online step source: a generation round every μ (`num_iterations`) steps, served as
     the micro-batches of each of its steps."""
 
-    def __init__(self, run: Run, task: OnlineRL, reference_model: Any, plan: RoundPlan) -> None:
+    def __init__(self, run: Run, task: OnlineRL, reference_model: Any, sizes: RoundSizes) -> None:
         self.task = task
         self.reference = reference_model
-        self.plan = plan
+        self.sizes = sizes
         self.rows = run.data.train
         self.batch = run.ds_plan.batch
         self.rank = run.dist.rank
@@ -442,12 +442,12 @@ class Rollouts:
 
     def round_prompts(self, round_index: int) -> list[int]:
         """Training prompt rows of a round on this rank."""
-        epoch, in_epoch = divmod(round_index, self.plan.rounds_per_epoch)
+        epoch, in_epoch = divmod(round_index, self.sizes.rounds_per_epoch)
         order = step_indices(
-            len(self.rows), global_batch=self.plan.prompts_per_round, seed=self.seed,
+            len(self.rows), global_batch=self.sizes.prompts_per_round, seed=self.seed,
             epoch=epoch, step=in_epoch,
         )  # fmt: skip
-        per_rank = self.plan.prompts_per_rank
+        per_rank = self.sizes.prompts_per_rank
         return order[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def samples(self, prompt_rows: list[int], completions: Completions) -> list[dict]:
@@ -479,7 +479,7 @@ class Rollouts:
         prompts = [self.rows[i] for i in prompt_rows]
         seeds = [prompt_seed(self.seed, round_index, i) for i in prompt_rows]
         sampling = Sampling(rl.max_completion_length, temperature=rl.temperature, top_p=rl.top_p)
-        completions = task.backend.generate(prompts, rl.num_generations, sampling, seeds)
+        completions = task.generator.generate(prompts, rl.num_generations, sampling, seeds)
         samples = self.samples(prompt_rows, completions)
         batches = [
             to_device(task.collate(samples[m * micro : (m + 1) * micro]), self.device)
@@ -562,7 +562,7 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
     cfg, policy = run.cfg, run.policy
     rl = cfg.section()
     media = run.model.media
-    backend = HFGenerate(policy, run.model.tokenizer, media=media, chunk=rl.generation_batch_size)
+    generator = HFGenerate(policy, run.model.tokenizer, media=media, chunk=rl.generation_batch_size)
     model = None
     if cfg.reward.model is not None:
         if media is not None:
@@ -592,11 +592,11 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         )
     else:
         run.summary.append(f"  reference       none ({cfg.task}.beta=0)")
-    plan = round_plan(cfg, len(run.data.train), run.ds_plan.batch)
+    sizes = round_sizes(cfg, len(run.data.train), run.ds_plan.batch)
     run.summary += [
         rewards.describe(),
         f"  generation      {rl.num_generations} completions per prompt, "
-        f"{plan.prompts_per_round} prompts per step ({plan.prompts_per_rank} per rank), "
+        f"{sizes.prompts_per_round} prompts per step ({sizes.prompts_per_rank} per rank), "
         f"at most {rl.max_completion_length} tokens, temperature {rl.temperature:g}, "
         f"top_p {rl.top_p:g}; HF generate"
         + (", ZeRO-3 parameters gathered once per round" if policy.zero_stage == 3 else ""),
@@ -609,11 +609,11 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
             "prompt + completions (speed.share_prefix)"
         )
     task = OnlineRL(
-        algorithm=algorithm, rl=rl, policy=policy, backend=backend, rewards=rewards,
+        algorithm=algorithm, rl=rl, policy=policy, generator=generator, rewards=rewards,
         tokenizer=run.model.tokenizer, media=media, eval_rows=run.data.eval,
         eval_path=cfg.data.eval_path or cfg.data.path,
         completion_only=completion_only_logits(cfg, policy), share_prefix=share_prefix,
         mask_dtype=mask_dtype(policy.module), rank=run.dist.rank, world=run.dist.world_size,
         name=cfg.task,
     )  # fmt: skip
-    return task, Rollouts(run, task, frozen, plan)
+    return task, Rollouts(run, task, frozen, sizes)

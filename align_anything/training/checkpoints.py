@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from align_anything import atomic
 from align_anything.backend import distributed as comm
@@ -35,10 +34,9 @@ from align_anything.errors import CheckpointError, CheckpointWriteError, ConfigE
 from align_anything.models import lora
 
 PREFIX = "step-"
-MANIFEST = "manifest.json"
+MANIFEST = atomic.MANIFEST
 STATE = "trainer_state.json"
 MANIFEST_FORMAT = 1
-_CHUNK = 8 << 20
 
 
 def folder_name(step: int) -> str:
@@ -51,28 +49,9 @@ def step_of(path: Path) -> int | None:
     return int(digits) if path.name.startswith(PREFIX) and digits.isdigit() else None
 
 
-def _checksum(path: Path) -> str:
-    digest = xxhash.xxh3_64()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _files(folder: Path) -> list[Path]:
-    return sorted(
-        p for p in folder.rglob("*") if p.is_file() and not p.is_symlink() and p.name != MANIFEST
-    )
-
-
 def write_manifest(folder: Path, *, run_id: str, step: int) -> None:
     """List every file of a finished checkpoint folder (written last, before it is published)."""
-    files = {
-        str(p.relative_to(folder)): {"size": p.stat().st_size, "xxh3_64": _checksum(p)}
-        for p in _files(folder)
-    }
-    manifest = {"format": MANIFEST_FORMAT, "run_id": run_id, "step": step, "files": files}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    atomic.write_manifest(folder, format=MANIFEST_FORMAT, run_id=run_id, step=step)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -92,26 +71,13 @@ def verify(folder: Path) -> str | None:
     """Why `folder` is not a complete checkpoint (None when it is): its manifest and trainer
     state must parse, and every listed file must exist with its size and checksum."""
     try:
-        manifest = read_json(folder / MANIFEST)
+        manifest = atomic.read_manifest(folder, format=MANIFEST_FORMAT)
         state = read_json(folder / STATE)
     except ValueError as err:
         return str(err)
-    files = manifest.get("files")
-    if not isinstance(files, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        return f"{MANIFEST} is not a format-{MANIFEST_FORMAT} manifest"
     if state.get("run_id") != manifest.get("run_id") or state.get("step") != manifest.get("step"):
         return f"{STATE} and {MANIFEST} disagree on the run or step"
-    for name, expected in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        size = path.stat().st_size
-        if size != expected["size"]:
-            return f"{name} is {size} bytes, the manifest says {expected['size']} (truncated?)"
-    for name, expected in files.items():  # sizes first: a missing file is found without reading
-        if _checksum(folder / name) != expected["xxh3_64"]:
-            return f"{name} does not match its checksum (the file changed after it was written)"
-    return None
+    return atomic.manifest_mismatch(folder, manifest)
 
 
 @dataclass(frozen=True)
