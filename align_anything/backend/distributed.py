@@ -200,7 +200,8 @@ def fail_together(work: Callable[[], T] | None, *, what: str) -> T | None:
         except UserError as err:
             failure = (type(err).__name__, str(err))
         except BaseException as err:  # noqa: BLE001 - re-raised below, after the others know
-            failure, crash = ("crash", f"{what} failed on rank {dist_info().rank}"), err
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            failure, crash = ("crash", f"{what} failed on rank {rank}"), err
     outcomes = all_gather_objects(failure)
     if crash is not None:
         raise crash
@@ -216,5 +217,6 @@ def fail_together(work: Callable[[], T] | None, *, what: str) -> T | None:
 def decide_on_main(decide: Callable[[], T]) -> T:
     """Run `decide` on rank 0 and give every rank its result, or its UserError on every rank
     (each must leave with the message, not wait for rank 0; see `fail_together`)."""
-    value = fail_together(decide if dist_info().is_main else None, what="a decision on rank 0")
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
+    value = fail_together(decide if is_main else None, what="a decision on rank 0")
     return broadcast_object(value)

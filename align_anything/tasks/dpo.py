@@ -32,7 +32,7 @@ from align_anything.training import generation, reference
 from align_anything.training.batching import step_indices
 from align_anything.training.run import Run
 from align_anything.training.setup import completion_only_logits, fresh_model_loader
-from align_anything.training.sources import RowBatches
+from align_anything.training.sources import RowBatches, row_batches
 from align_anything.training.task import LossOutput, TaskSpec
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -257,7 +257,7 @@ def build(run: Run) -> tuple[DPO, RowBatches]:
                 precomputed_s=task.reference_seconds,
             )
         )  # fmt: skip
-    return task, RowBatches(run, task.collate)
+    return task, row_batches(run, task.collate)
 
 
 SPEC = TaskSpec(name="dpo", record_kind="preference", encoding=encoding, build=build)

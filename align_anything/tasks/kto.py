@@ -64,7 +64,7 @@ from align_anything.training import generation, reference
 from align_anything.training.batching import step_indices
 from align_anything.training.run import Data, ModelSide, Run, Schedule
 from align_anything.training.setup import completion_only_logits, fresh_model_loader
-from align_anything.training.sources import RowBatches, row_schedule
+from align_anything.training.sources import RowBatches, row_batches, row_schedule
 from align_anything.training.task import LossOutput, TaskSpec
 
 # A row's precomputed reference log-probs: of its own completion, of its KL completion.
@@ -443,7 +443,7 @@ def build(run: Run) -> tuple[KTO, RowBatches]:
         "  kl pairs        the prompt of row k with the completion of row k-1 of each step's "
         "global batch (first with last), no gradient, all-reduced, clamped at 0",
     ]  # fmt: skip
-    return task, RowBatches(run, task.collate, rows_of_step=task.rows_of_step)
+    return task, row_batches(run, task.collate, rows_of_step=task.rows_of_step)
 
 
 SPEC = TaskSpec(

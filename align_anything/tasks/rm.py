@@ -26,7 +26,7 @@ from align_anything.errors import DataError
 from align_anything.forward import sequence_scores
 from align_anything.losses import reward_loss
 from align_anything.training.run import Data, ModelSide, Run
-from align_anything.training.sources import RowBatches
+from align_anything.training.sources import RowBatches, row_batches
 from align_anything.training.task import LossOutput, TaskSpec
 
 
@@ -139,7 +139,7 @@ def build(run: Run) -> tuple[RM, RowBatches]:
         policy=run.policy, pad_id=run.model.tokenizer.pad_token_id,
         center_coef=run.cfg.rm.center_coef, media=run.model.media,
     )  # fmt: skip
-    return task, RowBatches(run, task.collate)
+    return task, row_batches(run, task.collate)
 
 
 SPEC = TaskSpec(

@@ -38,7 +38,7 @@ from align_anything.errors import ConfigError
 from align_anything.forward import sequence_logps
 from align_anything.training.run import Data, ModelSide, Run
 from align_anything.training.setup import completion_only_logits
-from align_anything.training.sources import RowBatches
+from align_anything.training.sources import RowBatches, row_batches
 from align_anything.training.task import LossOutput, TaskSpec
 
 
@@ -151,7 +151,7 @@ def build(run: Run) -> tuple[SFT, RowBatches]:
         completion_only=completion_only_logits(cfg, policy), share_prefix=share_prefix,
         flatten_packed=kernel in FLATTENED_KERNELS, mask_dtype=mask_dtype(policy.module),
     )  # fmt: skip
-    return task, RowBatches(run, task.collate)
+    return task, row_batches(run, task.collate)
 
 
 SPEC = TaskSpec(

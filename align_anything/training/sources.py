@@ -31,24 +31,25 @@ def row_schedule(cfg: RunConfig, data: Data, batch: BatchPlan) -> Schedule:
 
 class RowBatches:
     """This rank's micro-batches of each step: the step's seeded rows
-    (`batching.rank_step_rows`; grouped by length when `speed.group_by_length`), made into
-    batches by the task's `collate`, on the policy's device. `rows_of_step` turns a step's row
-    indices into rows (default: the rows themselves; KTO adds the completion each row's
-    prompt is paired with for its KL estimate, which depends on the step)."""
+    (`batching.rank_step_rows`; grouped by length when `lengths` is given), made into batches
+    by the task's `collate`, on `device`. `rows_of_step` turns a step's row indices into rows
+    (default: the rows themselves; KTO adds the completion each row's prompt is paired with
+    for its KL estimate, which depends on the step)."""
 
     def __init__(
-        self, run: Run, collate: Callable[[list[dict]], Any], *,
-        rows_of_step: RowsOfStep | None = None,
+        self, rows: Sequence[dict], batch: BatchPlan, *, rank: int, seed: int,
+        steps_per_epoch: int, collate: Callable[[list[dict]], Any], device: Any = "cpu",
+        lengths: Sequence[int] | None = None, rows_of_step: RowsOfStep | None = None,
     ) -> None:  # fmt: skip
-        self.rows: Sequence[dict] = run.data.train
-        self.batch = run.ds_plan.batch
-        self.rank = run.dist.rank
-        self.seed = run.cfg.train.seed
-        self.steps_per_epoch = run.schedule.steps_per_epoch
-        self.lengths = run.data.lengths if run.cfg.speed.group_by_length else None
+        self.rows = rows
+        self.batch = batch
+        self.rank = rank
+        self.seed = seed
+        self.steps_per_epoch = steps_per_epoch
         self.collate = collate
-        self.rows_of_step = rows_of_step or (lambda step, indices: [self.rows[i] for i in indices])
-        self.device = run.policy.device
+        self.device = device
+        self.lengths = lengths
+        self.rows_of_step = rows_of_step or (lambda step, indices: [rows[i] for i in indices])
 
     def step(self, step: int) -> StepBatches:
         slices = rank_step_rows(
@@ -58,3 +59,15 @@ class RowBatches:
         return StepBatches(
             [to_device(self.collate(self.rows_of_step(step, s)), self.device) for s in slices]
         )
+
+
+def row_batches(
+    run: Run, collate: Callable[[list[dict]], Any], *, rows_of_step: RowsOfStep | None = None
+) -> RowBatches:
+    """The run's training rows as a step source (`speed.group_by_length`: length-grouped)."""
+    return RowBatches(
+        run.data.train, run.ds_plan.batch, rank=run.dist.rank, seed=run.cfg.train.seed,
+        steps_per_epoch=run.schedule.steps_per_epoch, collate=collate, device=run.policy.device,
+        lengths=run.data.lengths if run.cfg.speed.group_by_length else None,
+        rows_of_step=rows_of_step,
+    )  # fmt: skip
