@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -28,6 +29,22 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """Return ` (did you mean 'x'?)` for the closest candidate, or an empty string."""
     match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def check_output_file(flag: str, path: str | Path) -> Path:
+    """A command's output file, checked before any work: its folder must exist (a typo would
+    otherwise surface only after everything was computed) and the path must not be a folder."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise UserError(f"{flag} {path} is a folder: give a file path")
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise UserError(
+            f"{flag} {path}: the folder {folder} {what}; create it first (mkdir -p {folder}) "
+            "or choose another path. Nothing was computed."
+        )
+    return target
 
 
 class CheckpointError(UserError):
