@@ -56,10 +56,12 @@ class CheckpointWriteError(UserError):
     checkpoint is untouched."""
 
 
-class Preempted(Exception):  # noqa: N818 (not an error: a requested stop)
-    """The run stopped on SIGTERM/SIGINT after finishing a step and writing a checkpoint. The
-    entry point prints the message and exits with 128 + the signal number (143 for SIGTERM,
-    130 for SIGINT), as a process killed by that signal would."""
+class Preempted(BaseException):  # noqa: N818 (not an error: a requested stop)
+    """The run stopped on SIGTERM/SIGINT: after finishing a step and writing a checkpoint, or
+    at once (a second signal; a hung reward function). The entry point prints the message and
+    exits with 128 + the signal number (143 for SIGTERM, 130 for SIGINT), as a process killed
+    by that signal would. A BaseException, as KeyboardInterrupt is: raised from a signal handler
+    anywhere, it must not be swallowed by an `except Exception` on its way out."""
 
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)

@@ -428,3 +428,43 @@ def test_score_and_plot_refuse_an_out_in_a_missing_folder_before_any_work(
     png = tmp_path / "missing" / "metrics.png"
     err = _tool(["plot", str(run), "--out", str(png)], capsys)
     assert f"--out {png}: the folder {png.parent} does not exist" in err
+
+
+# ---------------------------------------------------------------------------- reward output
+# Whole runs in a subprocess (DeepSpeed keeps process-group state that a second in-process run
+# cannot reuse). One short GRPO step on the tiny model; the functions are in rl_test_rewards.py.
+GRPO_STEP = [
+    "task=grpo", TINY, "deepspeed=z0", "grpo.max_completion_length=4", "grpo.num_generations=2",
+    "train.per_device_batch_size=2", "grpo.eval_samples=0", "train.max_steps=1",
+]  # fmt: skip
+
+
+@pytest.mark.slow  # launches a GRPO run each
+@pytest.mark.parametrize(
+    ("function", "fragment"),
+    [
+        # Issue 24 (3): finite in Python, inf in float32: the run logged inf and trained on nothing.
+        ("huge_first", "returned 1e+39, beyond float32's range (±3.4e+38)"),
+        # Issue 24 (16): the run ended with exit status 0 and no message.
+        ("exits", "raised SystemExit(0) (it must return its values, not exit)"),
+    ],
+)
+def test_unusable_reward_output_stops_the_run_naming_function_and_row(
+    function: str, fragment: str, tmp_path: Path
+) -> None:
+    from conftest import launch, tail
+
+    out = tmp_path / "run"
+    run = launch(
+        [*GRPO_STEP, f"reward.functions=[rl_test_rewards:{function}]"], out,
+        extra_env={"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])},
+    )  # fmt: skip
+    assert run.returncode == 2, tail(run.output)
+    assert (
+        f"error: reward in step 1 failed, before that step's optimizer update: reward function "
+        f"{function!r} on line " in run.output
+    ), tail(run.output)
+    assert fragment in run.output and "Traceback" not in run.output
+    assert run.train_steps() == []
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+    assert not (out / ".lock").exists()
