@@ -278,9 +278,10 @@ def _call_with_deadline(
     stop signal, sooner: `RewardError` or `Preempted` then. Outside the main thread (no signal
     handlers there) the call runs without a limit."""
     global _active
-    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return function(**kwargs)
-    call = RewardCall(name, rows, timeout_s, deadline=time.monotonic() + timeout_s)
+    limit = math.inf if timeout_s is None else timeout_s  # a stop signal may still cut it short
+    call = RewardCall(name, rows, limit, deadline=time.monotonic() + limit)
     done = threading.Event()
     watchdog = threading.Thread(
         target=_watch, args=(call, done, threading.main_thread().ident), daemon=True,
