@@ -283,10 +283,13 @@ def test_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path: Path) -
     assert failed.returncode == 2, tail(failed.output)
     step2 = run_dir / "checkpoints" / "step-2"
     assert (
-        f"error: could not write checkpoint step-4 (step 4): No space left on device "
-        f"({run_dir / 'checkpoints' / '.tmp-step-4' / 'deepspeed' / 'mp_rank_00_model_states.pt'})"
-        f"; the previous checkpoint {step2} is intact." in failed.output
+        f"error: could not write checkpoint step-4 (step 4): no space left on device under "
+        f"{run_dir / 'checkpoints'} (" in failed.output
     ), tail(failed.output)
+    assert re.search(
+        rf"; step-2 takes \d+ MB\); the previous checkpoint {re.escape(str(step2))} is intact\.",
+        failed.output,
+    )
     assert "Traceback" not in failed.output
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
     resumed = launch([*args, "resume=auto", "train.max_steps=3"], run_dir).check()
@@ -415,3 +418,48 @@ def test_a_reward_function_past_reward_timeout_seconds_fails_the_run(tmp_path: P
     ), tail(result.output)
     assert "(2 completions)" in result.output
     _assert_ended_cleanly(run_dir, "failed", result.output)
+
+
+# ---------------------------------------------------------------------------- a full disk
+# Issue 24 (11): output_dir on a real filesystem that fills up while step-2 is written. A
+# 60 MB tmpfs holds step-1 (36 MB for the tiny model on ZeRO-0) but not step-2 beside it. It is
+# mounted in a mount namespace of the run's own (`unshare`: no root needed where user namespaces
+# are allowed), so it disappears with the run; the script copies what the run left first.
+# torch.save reports the full disk as a RuntimeError without ENOSPC, which is what went wrong.
+TMPFS_SCRIPT = """mnt=$1; copy=$2; shift 2
+mount -t tmpfs -o size=60m tmpfs "$mnt" || exit 99
+"$@"; rc=$?
+cp -a "$mnt/." "$copy/"
+exit $rc
+"""
+
+
+def test_a_disk_that_fills_up_during_a_checkpoint_fails_the_run_cleanly(tmp_path: Path) -> None:
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (unshare -rm: {probe.stderr.decode().strip()})")
+    script = tmp_path / "on_tmpfs.sh"
+    script.write_text(TMPFS_SCRIPT)
+    mnt, copy = tmp_path / "mnt", tmp_path / "after"
+    mnt.mkdir()
+    copy.mkdir()
+    run_dir = mnt / "run"
+    result = launch(
+        ["task=sft", *COMMON, "deepspeed=z0", "data.max_length=64", "train.max_steps=3",
+         "checkpoint.every_steps=1", "checkpoint.keep_last=1", "data.max_eval_samples=4"],
+        run_dir, wrap=["unshare", "-rm", "bash", str(script), str(mnt), str(copy)],
+    )  # fmt: skip
+    assert result.returncode == 2, tail(result.output)
+    checkpoints_dir = run_dir / "checkpoints"
+    assert (
+        f"error: could not write checkpoint step-2 (step 2): no space left on device under "
+        f"{checkpoints_dir} (" in result.output
+    ), tail(result.output)
+    assert f"the previous checkpoint {checkpoints_dir / 'step-1'} is intact" in result.output
+    assert "Traceback" not in result.output and "warning: could not record" not in result.output
+    after = copy / "run"
+    _assert_ended_cleanly(after, "failed", result.output)  # no .lock, .tmp-run.json, .tmp-step-2
+    from align_anything.trainers import checkpoints
+
+    assert [p.name for p in (after / "checkpoints").iterdir()] == ["step-1"]
+    assert checkpoints.verify(after / "checkpoints" / "step-1") is None
