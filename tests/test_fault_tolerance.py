@@ -463,3 +463,41 @@ def test_a_disk_that_fills_up_during_a_checkpoint_fails_the_run_cleanly(tmp_path
 
     assert [p.name for p in (after / "checkpoints").iterdir()] == ["step-1"]
     assert checkpoints.verify(after / "checkpoints" / "step-1") is None
+
+
+# ---------------------------------------------------------------------------- what is saved
+# Issue 24 (6): final/ stored the tied input embedding and LM head twice (25 MB for the tiny
+# model, whose own folder holds 12.9 MB).
+
+
+def test_final_stores_a_tied_embedding_once_and_equals_the_export_of_the_last_checkpoint(
+    finished_run: RunResult, tmp_path: Path
+) -> None:
+    import sys
+
+    import torch
+    from conftest import REPO_ROOT
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from align_anything.models.zoo import resolve_model_path
+
+    final = finished_run.check().output_dir / "final"
+    base = Path(resolve_model_path("tiny-random-llama")) / "model.safetensors"
+    saved = load_file(final / "model.safetensors")
+    assert "model.embed_tokens.weight" in saved and "lm_head.weight" not in saved
+    assert (final / "model.safetensors").stat().st_size <= base.stat().st_size + 4096
+    # The export of the last checkpoint (merged by DeepSpeed's zero_to_fp32, saved from a model
+    # whose weights share one tensor) holds the very same tensors.
+    exported = tmp_path / "exported"
+    subprocess.run(
+        [sys.executable, "-m", "align_anything", "export",
+         str(finished_run.output_dir / "checkpoints" / "step-3"), "--out", str(exported)],
+        cwd=REPO_ROOT, check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    other = load_file(exported / "model.safetensors")
+    assert sorted(other) == sorted(saved)
+    assert all(torch.equal(saved[k], other[k]) for k in saved)
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, saved["model.embed_tokens.weight"])

@@ -395,6 +395,24 @@ def load(folder: Path, *, engine: Any, rank: int) -> int:
     return int(state["step"])
 
 
+def without_tied_copies(
+    module: Any, state: dict[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    """`state` without the weights the model ties to another one (its `all_tied_weights_keys`,
+    target -> source: e.g. `lm_head.weight` -> `model.embed_tokens.weight`) where the two are
+    equal. save_pretrained leaves out a tied weight only when both names share one tensor; a
+    gathered full state dict (ZeRO, the EMA) holds two equal copies, which it would store twice
+    (25 MB instead of 12.9 MB for the tiny model); `from_pretrained` ties them again."""
+    tied = getattr(module, "all_tied_weights_keys", None) or {}
+    if state is None or not tied:
+        return state
+    return {
+        name: value
+        for name, value in state.items()
+        if not (name in tied and tied[name] in state and torch.equal(value, state[tied[name]]))
+    }
+
+
 def write_final(
     folder: Path, module: Any, state: dict[str, torch.Tensor] | None, *, tokenizer: Any,
     configs: dict[str, Any],
@@ -405,6 +423,7 @@ def write_final(
         if lora.is_peft_model(module):
             lora.save_adapter(module, state, tmp)
         else:
+            state = without_tied_copies(module, state)
             module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for name, data in configs.items():
