@@ -501,3 +501,54 @@ def test_final_stores_a_tied_embedding_once_and_equals_the_export_of_the_last_ch
     model = AutoModelForCausalLM.from_pretrained(final)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, saved["model.embed_tokens.weight"])
+
+
+def test_export_of_an_image_text_checkpoint_is_complete(tmp_path: Path) -> None:
+    """Issue 24 (5): `export` of a tiny-random-llava checkpoint wrote the tokenizer but not the
+    processor, so AutoProcessor could not load the folder. Now it holds the processor of the
+    run's model (same ids, same pixels), the weights of the checkpoint (those final/ holds after
+    the same step) and generates on an image; final/ loads with AutoProcessor too."""
+    import sys
+
+    import torch
+    from conftest import REPO_ROOT
+    from PIL import Image
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from align_anything.data.synthetic import make_dataset
+    from align_anything.models.loading import load_processor
+    from align_anything.models.zoo import resolve_model_path
+
+    data = make_dataset("shapes", tmp_path / "shapes", rows=12, seed=0, text_every=2)
+    run_dir = tmp_path / "run"
+    launch(
+        ["task=sft", *COMMON, "model.name_or_path=tiny-random-llava", "deepspeed=z0",
+         f"data.path={data / 'sft.jsonl'}", "data.eval_fraction=0.0", "train.max_steps=1",
+         "train.per_device_batch_size=2", "checkpoint.every_steps=1"],
+        run_dir,
+    ).check()  # fmt: skip
+    exported = tmp_path / "exported"
+    done = subprocess.run(
+        [sys.executable, "-m", "align_anything", "export",
+         str(run_dir / "checkpoints" / "step-1"), "--out", str(exported)],
+        cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    base = load_processor(resolve_model_path("tiny-random-llava"))
+    prompt = ("<|im_start|>user\n<image>\nWhat colour is the shape?<|im_end|>\n"
+              "<|im_start|>assistant\n")  # fmt: skip
+    image = Image.new("RGB", (16, 16), (200, 10, 10))
+    expected = base(text=[prompt], images=[image], return_tensors="pt")
+    for folder in (exported, run_dir / "final"):
+        got = AutoProcessor.from_pretrained(folder)(text=[prompt], images=[image],
+                                                    return_tensors="pt")  # fmt: skip
+        assert torch.equal(got["input_ids"], expected["input_ids"]), folder
+        assert torch.equal(got["pixel_values"], expected["pixel_values"]), folder
+    weights = load_file(exported / "model.safetensors")
+    final = load_file(run_dir / "final" / "model.safetensors")
+    assert sorted(weights) == sorted(final)
+    assert all(torch.equal(weights[k], final[k]) for k in final)
+    model = AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
+    out = model.generate(**expected, max_new_tokens=2, do_sample=False)
+    assert out.shape[1] > expected["input_ids"].shape[1]
