@@ -509,7 +509,7 @@ class RewardSection(_Section):
     )
     timeout_seconds: float = Field(
         gt=0,
-        description="Longest one call of a reward function (one step's completions on a rank) may take; past it the run stops with exit status 2, naming the function and the rows. The call itself cannot be cancelled: it is left running in a background thread until the process exits.",
+        description="Longest one call of a reward function (one step's completions on a rank) may take; past it the call is interrupted and the run stops with exit status 2, naming the function and the rows.",
     )
 
     @field_validator("functions", mode="before")
