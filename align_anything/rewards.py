@@ -21,8 +21,10 @@ called with keyword arguments, as TRL 1.16's `GRPOTrainer` calls its reward func
 that gave a number (TRL's `nansum`); a completion for which every function returned None has
 total NaN, which TRL calls unscorable: the advantage functions in `losses.rl` leave it out of
 their group statistics and give it advantage 0. Anything else unusable (an exception, NaN or
-inf, the wrong count, a value that is not a number) raises `RewardError`, whose one message
-names the function, the data row and the completion.
+inf, also a value beyond float32's range, the wrong count, a value that is not a number)
+raises `RewardError`, whose one message names the function, the data row and the completion.
+A call that does not return within `reward.timeout_seconds` is interrupted and raises
+`RewardError` naming the function and the rows of the call.
 """
 
 from __future__ import annotations

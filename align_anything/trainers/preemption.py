@@ -15,10 +15,6 @@ Two things could keep that from happening, and each has its way out:
   (Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds are 30 s by default). So a
   reward call in progress when the first signal comes gets `REWARD_GRACE_S` more seconds; if
   it has not returned by then it is abandoned and the run stops as above (`rewards.RewardCall`).
-
-Why signals did nothing before (issue 24): the handler only recorded the first signal and the
-flag was read at the next step boundary, which a hung reward function never reaches; a second
-SIGTERM, and a SIGINT after a SIGTERM, were ignored (only Ctrl-C twice raised).
 """
 
 from __future__ import annotations
