@@ -10,6 +10,10 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
+# DeepSpeed's JIT-compiled ops (e.g. CPU Adam for optimizer offload) go into this environment's
+# own folder, for every target and every run they start: environments that shared
+# ~/.cache/torch_extensions rebuilt each other's ops whenever the other had built them last.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: setup train train-grpo test test-fast lint bench clean
 

@@ -96,11 +96,15 @@ def write_text(path: Path, text: str) -> None:
     """Replace a small file in one step: a reader sees the old content or the new, never part."""
     path = Path(path)
     tmp = path.with_name(f".tmp-{path.name}")
-    with tmp.open("w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: leave the old file, and nothing else
+        raise
     _fsync(path.parent)
 
 

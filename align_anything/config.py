@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -456,11 +457,34 @@ class RewardSection(_Section):
     model: str | None = Field(
         description="A reward model trained by task=rm (e.g. `outputs/rm/final`), run frozen (ZeRO-3: partitioned); it re-tokenises prompt + completion with its own tokenizer and chat template. null: none.",
     )
+    timeout_seconds: float = Field(
+        gt=0,
+        description="Longest one call of a reward function (one step's completions on a rank) may take; past it the call is interrupted and the run stops with exit status 2, naming the function and the rows.",
+    )
 
     @field_validator("functions", mode="before")
     @classmethod
     def _one_or_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @field_validator("weights")
+    @classmethod
+    def _finite_weights(cls, value: list[float] | None) -> list[float] | None:
+        # NaN or inf times any reward is NaN or inf: every advantage would be NaN or 0.
+        bad = [w for w in value or [] if not math.isfinite(w)]
+        if bad:
+            raise ValueError(f"weights must be finite numbers, got {', '.join(map(str, bad))}")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_folder_exists(cls, value: str | None) -> str | None:
+        if value is not None and names_a_missing_folder(value):
+            raise ValueError(
+                "no such folder: give the final/ folder of a task=rm run (e.g. "
+                "reward.model=outputs/rm/final)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _one_weight_each(self) -> RewardSection:
@@ -588,6 +612,20 @@ class RunConfig(_Section):
             else value
         )
 
+    @model_validator(mode="after")
+    def _room_for_prompts(self) -> RunConfig:
+        online = self.section() if self.task in ONLINE_TASKS else None
+        if isinstance(online, _OnlineRL) and online.max_completion_length >= self.data.max_length:
+            completion, limit = online.max_completion_length, self.data.max_length
+            raise ValueError(
+                f"{self.task}.max_completion_length={completion} leaves no room for the prompt: "
+                f"data.max_length={limit} counts the prompt's tokens and the completion's. Raise "
+                f"data.max_length above {completion} by the longest prompt's tokens (e.g. "
+                f"data.max_length={completion + 128}), or lower {self.task}.max_completion_length "
+                f"below {limit}"
+            )
+        return self
+
     def section(self) -> BaseModel | dict[str, Any] | None:
         """The task's own section (e.g. `cfg.dpo` for task=dpo)."""
         return getattr(self, self.task)
@@ -605,6 +643,13 @@ TASK_SECTIONS: dict[str, type[BaseModel]] = {
 }  # fmt: skip
 # Tasks that generate online and so take the `reward` section.
 ONLINE_TASKS = ("grpo", "rloo")
+
+
+def names_a_missing_folder(name_or_path: str) -> bool:
+    """Whether a model name is spelt as a local path (`./x`, `/x`, `~/x`, or `a/b/c`: a hub name
+    has one slash at most) that does not exist: such a name can only mean a folder."""
+    spelt_as_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
+    return spelt_as_path and not Path(name_or_path).expanduser().exists()
 
 
 def available_tasks() -> list[str]:
@@ -674,7 +719,7 @@ def _parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
         try:
             (override,) = parser.parse_overrides([text])
         except HydraException as err:
-            problems.append(f"cannot parse override {text!r}: {err}")
+            problems.append(f"cannot parse override {text!r}: {err}{_quote_hint(text)}")
             continue
         if override.is_delete():
             key = override.get_key_element().lstrip("~")
@@ -728,9 +773,30 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
+def _unmatched_union_members(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drop the "wrong type" errors of union members the value did not take when another member
+    took it: for `data.path=[{...}]` the list member's errors about the entries are the news,
+    not that the list is no string. (pydantic reports every member's errors.)"""
+    members: dict[tuple, set[str]] = {}  # key before the member's tag -> members with depth
+    for item in items:
+        loc = [str(p) for p in item["loc"]]
+        for index, part in enumerate(loc):
+            if _UNION_TAG.match(part) and len(loc) > index + 1:
+                members.setdefault(tuple(loc[:index]), set()).add(part)
+    kept = []
+    for item in items:
+        loc = [str(p) for p in item["loc"]]
+        tag = len(loc) - 1
+        taken = members.get(tuple(loc[:tag]), set())
+        if loc and _UNION_TAG.match(loc[tag]) and taken - {loc[tag]}:
+            continue  # this member's type did not fit; another member's entries are reported
+        kept.append(item)
+    return kept
+
+
 def _format_validation_error(err: ValidationError, raw: dict[str, Any]) -> list[str]:
     lines = []
-    for item in err.errors():
+    for item in _unmatched_union_members(err.errors()):
         # pydantic adds the union member name for `int | Literal["auto"]` ("int",
         # "literal['auto']", "list[str]") and validator names to the location; drop them.
         loc = [str(p) for p in item["loc"] if not _UNION_TAG.match(str(p))]
@@ -760,6 +826,8 @@ _UNION_TAG = re.compile(
 def _known_keys(section: str) -> list[str]:
     model: type[BaseModel] | None = RunConfig
     for part in section.split(".") if section else []:
+        if part.isdigit():  # an entry of a list of sections (`data.path.0`)
+            continue
         field = model.model_fields.get(part) if model else None
         annotation = field.annotation if field else None
         model = _section_model(annotation, part)
@@ -775,6 +843,11 @@ def _section_model(annotation: Any, name: str) -> type[BaseModel] | None:
         return RewardSection
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    # `str | list[DataSource]`: the section model inside a union or a list.
+    for member in get_args(annotation):
+        found = _section_model(member, name)
+        if found is not None:
+            return found
     return None
 
 
@@ -788,6 +861,40 @@ def _lookup(raw: dict[str, Any], loc: list[str]) -> Any:
         else:
             return None
     return node
+
+
+def _resolved(composed: Any, overrides: Sequence[str]) -> dict[str, Any]:
+    """The composed config as plain data with every `${...}` resolved; a reference to a key
+    that does not exist is a ConfigError naming the override that holds it."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        return OmegaConf.to_container(composed, resolve=True)  # type: ignore[return-value]
+    except InterpolationResolutionError as err:
+        key = str(getattr(err, "full_key", "") or "")
+        given = next((o for o in overrides if o.lstrip("+").split("=", 1)[0] == key), key)
+        reason = str(err).splitlines()[0]
+        raise ConfigError(
+            f"{given!r}: {reason}. ${{...}} refers to another key of the configuration (e.g. "
+            "output_dir=outputs/${task}); to write a literal '${' in a value, escape it as "
+            "'\\${'"
+        ) from None
+
+
+def _quote_hint(text: str) -> str:
+    """How to write override `text` so that Hydra's grammar takes its value as one string."""
+    key, sep, value = text.partition("=")
+    if not sep or value[:1] in ("'", '"'):
+        return ""
+    quote = "'" if "'" not in value else '"'
+    inner = value if quote not in value else value.replace(quote, "\\" + quote)
+    hydra = f"{key}={quote}{inner}{quote}"
+    shell = f'"{hydra}"' if quote == "'" and not set('"$`\\') & set(hydra) else shlex.quote(hydra)
+    return (
+        f". A value with spaces or characters such as ! # & ( [ ' must be quoted for Hydra: "
+        f"{hydra} (on a shell command line, quoted once more: {shell})"
+    )
 
 
 def load_config(overrides: Sequence[str] = ()) -> RunConfig:
@@ -822,7 +929,7 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
             continue
         OmegaConf.update(composed, key, value, merge=False, force_add=True)
         explicit.add(key)
-    raw: dict[str, Any] = OmegaConf.to_container(composed, resolve=True)  # type: ignore[assignment]
+    raw: dict[str, Any] = _resolved(composed, overrides)
     for name in TASK_SECTIONS:
         if name != task and raw.get(name) is not None:
             if task_known:

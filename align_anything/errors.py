@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -30,6 +31,22 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
+def check_output_file(flag: str, path: str | Path) -> Path:
+    """A command's output file, checked before any work: its folder must exist (a typo would
+    otherwise surface only after everything was computed) and the path must not be a folder."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise UserError(f"{flag} {path} is a folder: give a file path")
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise UserError(
+            f"{flag} {path}: the folder {folder} {what}; create it first (mkdir -p {folder}) "
+            "or choose another path. Nothing was computed."
+        )
+    return target
+
+
 class CheckpointError(UserError):
     """A checkpoint that is incomplete, damaged or cannot be loaded."""
 
@@ -39,10 +56,12 @@ class CheckpointWriteError(UserError):
     checkpoint is untouched."""
 
 
-class Preempted(Exception):  # noqa: N818 (not an error: a requested stop)
-    """The run stopped on SIGTERM/SIGINT after finishing a step and writing a checkpoint. The
-    entry point prints the message and exits with 128 + the signal number (143 for SIGTERM,
-    130 for SIGINT), as a process killed by that signal would."""
+class Preempted(BaseException):  # noqa: N818 (not an error: a requested stop)
+    """The run stopped on SIGTERM/SIGINT: after finishing a step and writing a checkpoint, or
+    at once (a second signal; a hung reward function). The entry point prints the message and
+    exits with 128 + the signal number (143 for SIGTERM, 130 for SIGINT), as a process killed
+    by that signal would. A BaseException, as KeyboardInterrupt is: raised from a signal handler
+    anywhere, it must not be swallowed by an `except Exception` on its way out."""
 
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)

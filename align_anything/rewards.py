@@ -21,8 +21,10 @@ called with keyword arguments, as TRL 1.16's `GRPOTrainer` calls its reward func
 that gave a number (TRL's `nansum`); a completion for which every function returned None has
 total NaN, which TRL calls unscorable: the advantage functions in `losses.rl` leave it out of
 their group statistics and give it advantage 0. Anything else unusable (an exception, NaN or
-inf, the wrong count, a value that is not a number) raises `RewardError`, whose one message
-names the function, the data row and the completion.
+inf, also a value beyond float32's range, the wrong count, a value that is not a number)
+raises `RewardError`, whose one message names the function, the data row and the completion.
+A call that does not return within `reward.timeout_seconds` is interrupted and raises
+`RewardError` naming the function and the rows of the call.
 """
 
 from __future__ import annotations
@@ -31,14 +33,19 @@ import importlib
 import math
 import numbers
 import re
+import signal
+import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from align_anything.data.builtin import ANSWER_RE, has_preferred_property
-from align_anything.errors import ConfigError, UserError, did_you_mean
+from align_anything.errors import ConfigError, Preempted, UserError, did_you_mean
 
 RewardFunction = Callable[..., Sequence[float | None]]
 # `module.sub:function` (the attribute may be dotted: `module:Class.method`).
@@ -169,35 +176,186 @@ def _shown(completion: str) -> str:
     return repr(completion)
 
 
+def _label(row: int | str) -> str:
+    return row if isinstance(row, str) else f"data row {row}"
+
+
 def _where(name: str, row_ids: Sequence[int | str], completions: Sequence[str], index: int) -> str:
-    row = row_ids[index]
-    where = row if isinstance(row, str) else f"data row {row}"
+    where = _label(row_ids[index])
     return f"reward function {name!r} on {where} (completion {_shown(completions[index])})"
 
 
+# ---- calling a user's function with a deadline
+#
+# The function runs in the main thread, as TRL calls it: libraries that bound their own work
+# with signal.alarm (math_verify, the HumanEval `time_limit`) only work there. A watchdog thread
+# waits for the deadline and then interrupts the call with a signal, whose handler raises
+# `_Interrupted` inside the function (a BaseException: a function's own `except Exception` does
+# not swallow it). Written by hand: the packages that time out a call (func_timeout, stopit,
+# wrapt_timeout_decorator) run it in another thread or cannot interrupt a blocking system call.
+_WATCHDOG_SIGNAL = signal.SIGUSR2
+# How often the watchdog looks at the deadline (a stop signal may move it earlier).
+_WATCH_PERIOD_S = 0.25
+# Row labels shown in a message about a whole call.
+_SHOWN_ROWS = 5
+
+
+class _Interrupted(BaseException):
+    """Raised inside a reward function by the watchdog's signal once its deadline passed."""
+
+
+@dataclass
+class RewardCall:
+    """The reward-function call in progress in the main thread (see `active_call`)."""
+
+    name: str
+    rows: str
+    timeout_s: float
+    deadline: float  # time.monotonic()
+    running: bool = True  # the watchdog's signal interrupts the call only while this holds
+    expired: bool = False
+    stop_signal: int = 0  # the stop signal that cut the call short (0: its own timeout)
+
+    def cut_short(self, seconds: float, signum: int) -> None:
+        """A stop signal came: give the call at most `seconds` more, then abandon it (the run
+        stops with `Preempted`). Safe to call from a signal handler."""
+        if time.monotonic() + seconds < self.deadline:
+            self.deadline = time.monotonic() + seconds
+            self.stop_signal = signum
+
+    def error(self) -> BaseException:
+        """What the run raises for a call past its deadline."""
+        if self.stop_signal:
+            name = signal.Signals(self.stop_signal).name
+            return Preempted(
+                f"stopped by {name}: reward function {self.name!r} was still running on {self.rows} "
+                "when the signal came and did not return in the time a scheduler leaves before it "
+                "kills the job, so this step was abandoned (no checkpoint of it was written); "
+                "resume=auto continues from the newest complete checkpoint",
+                self.stop_signal,
+            )
+        return RewardError(
+            f"reward function {self.name!r} did not return within reward.timeout_seconds="
+            f"{self.timeout_s:g} on {self.rows}. Make it faster (or bound its own work), or "
+            "raise reward.timeout_seconds"
+        )
+
+
+_active: RewardCall | None = None
+
+
+def active_call() -> RewardCall | None:
+    """The reward-function call the main thread is in right now (None: none). A stop-signal
+    handler uses it to cut a hung call short instead of waiting for the step to end."""
+    return _active
+
+
+def _interrupt_expired_call(signum: int, frame: FrameType | None) -> None:
+    call = _active
+    if call is not None and call.running and call.expired:
+        call.running = False  # at most once: never again in the caller's own code
+        raise _Interrupted
+
+
+def _watch(call: RewardCall, done: threading.Event, main_thread: int) -> None:
+    while not done.wait(min(_WATCH_PERIOD_S, max(0.0, call.deadline - time.monotonic()))):
+        if time.monotonic() >= call.deadline:
+            call.expired = True
+            signal.pthread_kill(main_thread, _WATCHDOG_SIGNAL)
+            return
+
+
+def _rows_text(row_ids: Sequence[int | str]) -> str:
+    labels = list(dict.fromkeys(map(_label, row_ids)))  # a prompt's G completions: one row
+    shown = ", ".join(labels[:_SHOWN_ROWS])
+    more = f" and {len(labels) - _SHOWN_ROWS} more" if len(labels) > _SHOWN_ROWS else ""
+    return f"{shown}{more} ({len(row_ids)} completions)"
+
+
+def _call_with_deadline(
+    name: str, function: RewardFunction, kwargs: dict[str, Any], rows: str,
+    timeout_s: float | None,
+) -> Any:  # fmt: skip
+    """`function(**kwargs)`, abandoned after `timeout_s` seconds (None: no limit) or, after a
+    stop signal, sooner: `RewardError` or `Preempted` then. Outside the main thread (no signal
+    handlers there) the call runs without a limit."""
+    global _active
+    if threading.current_thread() is not threading.main_thread():
+        return function(**kwargs)
+    limit = math.inf if timeout_s is None else timeout_s  # a stop signal may still cut it short
+    call = RewardCall(name, rows, limit, deadline=time.monotonic() + limit)
+    done = threading.Event()
+    watchdog = threading.Thread(
+        target=_watch, args=(call, done, threading.main_thread().ident), daemon=True,
+        name=f"reward-deadline-{name}",
+    )  # fmt: skip
+    previous = signal.signal(_WATCHDOG_SIGNAL, _interrupt_expired_call)
+    _active = call
+    result = None
+    try:
+        watchdog.start()
+        try:
+            result = function(**kwargs)
+        finally:
+            call.running = False
+    except BaseException:
+        # Past the deadline, whatever came out (our _Interrupted, or what the function's own
+        # handler turned it into) is reported as the timeout below.
+        if not call.expired:
+            raise
+    finally:
+        call.running = False
+        done.set()
+        watchdog.join()  # no watchdog signal arrives after the handler is restored
+        _active = None
+        signal.signal(_WATCHDOG_SIGNAL, previous)
+    if call.expired:  # also when the function swallowed the interruption and returned
+        raise call.error()
+    return result
+
+
 def _call(
+    name: str,
     function: RewardFunction,
     prompts: Sequence,
     completions: Sequence[str],
     fields: dict[str, Sequence],
+    row_ids: Sequence[int | str],
+    timeout_s: float | None,
     indices: Sequence[int] | None = None,
 ) -> Any:
     if indices is not None:
         prompts = [prompts[i] for i in indices]
         completions = [completions[i] for i in indices]
         fields = {key: [values[i] for i in indices] for key, values in fields.items()}
-    return function(prompts=list(prompts), completions=list(completions), **fields)
+        row_ids = [row_ids[i] for i in indices]
+    kwargs = dict(prompts=list(prompts), completions=list(completions), **fields)
+    return _call_with_deadline(name, function, kwargs, _rows_text(row_ids), timeout_s)
+
+
+# A function that raises SystemExit (sys.exit in a script's code path) fails like any other:
+# it must return its values, and the run must not end with exit status 0 as if it succeeded.
+_FUNCTION_FAILED = (Exception, SystemExit)
+
+
+def _raised(cause: BaseException) -> str:
+    if isinstance(cause, SystemExit):
+        return f"raised SystemExit({cause.code!r}) (it must return its values, not exit)"
+    return f"raised {type(cause).__name__}: {cause}"
 
 
 def _failing_row(
-    function: RewardFunction, prompts: Sequence, completions: Sequence[str], fields: dict
-) -> tuple[int, BaseException] | None:
+    name: str, function: RewardFunction, prompts: Sequence, completions: Sequence[str],
+    fields: dict, row_ids: Sequence[int | str], timeout_s: float | None,
+) -> tuple[int, BaseException] | None:  # fmt: skip
     """The first row on which `function`, called on that row alone, raises (to name the row
     when a call on the whole batch raised); None when every row alone succeeds."""
     for index in range(len(completions)):
         try:
-            _call(function, prompts, completions, fields, [index])
-        except Exception as err:  # noqa: BLE001 (the user's function)
+            _call(name, function, prompts, completions, fields, row_ids, timeout_s, [index])
+        except _FUNCTION_FAILED as err:  # the user's function
+            if isinstance(err, RewardError):  # its deadline passed
+                raise
             return index, err
     return None
 
@@ -217,18 +375,21 @@ def _rewards_of(
     completions: Sequence[str],
     fields: dict[str, Sequence],
     row_ids: Sequence[int | str],
+    timeout_s: float | None,
 ) -> list[float]:
     """One function's rewards as floats (NaN for None), or a RewardError."""
+    call = (name, function, prompts, completions, fields, row_ids, timeout_s)
     try:
-        returned = _call(function, prompts, completions, fields)
-    except Exception as err:  # noqa: BLE001 (the user's function)
-        found = _failing_row(function, prompts, completions, fields)
+        returned = _call(*call)
+    except RewardError:  # the deadline passed
+        raise
+    except _FUNCTION_FAILED as err:  # the user's function
+        found = _failing_row(*call)
         index, cause = found if found is not None else (0, err)
         alone = "" if found is not None else " (on the whole batch; each row alone succeeds)"
         raise RewardError(
-            f"{_where(name, row_ids, completions, index)} raised "
-            f"{type(cause).__name__}: {cause}{alone}"
-        ) from err
+            f"{_where(name, row_ids, completions, index)} {_raised(cause)}{alone}"
+        ) from (None if isinstance(err, SystemExit) else err)
     values = _as_list(returned)
     if values is None or len(values) != len(completions):
         got = (
@@ -258,6 +419,13 @@ def _rewards_of(
                 f"{_where(name, row_ids, completions, index)} returned {float(value)}; return a "
                 "finite float, or None for no opinion"
             )
+        if not math.isfinite(torch.tensor(float(value), dtype=torch.float32).item()):
+            raise RewardError(
+                f"{_where(name, row_ids, completions, index)} returned {float(value):g}, beyond "
+                f"float32's range (±{torch.finfo(torch.float32).max:.3g}), in which rewards are "
+                "computed: it would become inf. Return a finite float of smaller magnitude, or "
+                "None for no opinion"
+            )
         rewards.append(float(value))
     return rewards
 
@@ -270,6 +438,7 @@ def score_completions(
     completions: Sequence[str],
     fields: dict[str, Sequence],
     row_ids: Sequence[int | str],
+    timeout_s: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Score N completions with every reward function.
 
@@ -280,11 +449,16 @@ def score_completions(
         fields: the prompt data's other columns, each a list of N values.
         row_ids: N data rows for messages: the prompt's row label in the user's file
             (`"line 12"`, the encoded row's `source_row`) or a row number (`data row 12`).
+        timeout_s: the longest one function's call may take (`reward.timeout_seconds`; None:
+            no limit). Enforced in the main thread, where the call is interrupted.
     Returns:
         (total [N] float32: Σ wᵢ·rᵢ over the functions that gave a number, NaN where every
         function returned None; {name: [N] float32 with NaN for None}).
     Raises:
-        RewardError: a function raised, returned NaN/inf, the wrong count or a non-number.
+        RewardError: a function raised (SystemExit included), did not return within
+            `timeout_s`, returned NaN/inf (also beyond float32's range), the wrong count or a
+            non-number, or the weighted total overflowed float32.
+        Preempted: a stop signal (SIGTERM/SIGINT) cut a hung call short (`active_call`).
         ValueError: arguments that do not line up (a bug of the caller, not the user's).
     """
     count = len(completions)
@@ -295,7 +469,7 @@ def score_completions(
         raise ValueError(f"prompts, row_ids and every field must have {count} entries")
     per_function = {
         name: torch.tensor(
-            _rewards_of(name, function, prompts, completions, fields, row_ids),
+            _rewards_of(name, function, prompts, completions, fields, row_ids, timeout_s),
             dtype=torch.float32,
         )
         for name, function in functions
@@ -304,4 +478,15 @@ def score_completions(
     weight = torch.tensor(list(weights), dtype=torch.float32)
     total = (stacked * weight).nansum(dim=1)
     total[torch.isnan(stacked).all(dim=1)] = math.nan
+    overflowed = torch.isinf(total).nonzero().flatten().tolist()
+    if overflowed:
+        index = overflowed[0]
+        terms = ", ".join(
+            f"{name} {stacked[index, k].item():g} x {w:g}"
+            for k, (name, w) in enumerate(zip(per_function, weights, strict=True))
+        )
+        raise RewardError(
+            f"the weighted reward of {_label(row_ids[index])} (completion {_shown(completions[index])}) is inf in "
+            f"float32: {terms}. Lower reward.weights or the rewards' magnitude"
+        )
     return total, per_function

@@ -20,7 +20,7 @@ Agreement (`--agreement-only` runs just this): one fixed set of completions (two
 hand-written answers, right and wrong) scored once through TRL's own code
 (`GRPOTrainer._get_per_token_logps_and_entropies` and `compute_loss`) and once through
 align_anything's (`forward.completion_token_logps`, `losses.grpo_per_token_loss`,
-`losses.loss_sum` / `losses.loss_items`, the calls `trainers/grpo.py` makes), each in its own
+`losses.loss_sum` / `losses.loss_items`, the calls `tasks/grpo.py` makes), each in its own
 process from the same weights: the largest per-token log-prob and loss differences.
 Needs the `bench` extra (`pip install -e ".[bench]"`).
 """

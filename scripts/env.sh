@@ -5,7 +5,8 @@
 # the venv's interpreter and the venv's launchers (deepspeed, torchrun) are found after the rest
 # of PATH. After, not before: a venv `ninja` first on PATH would make DeepSpeed rebuild its
 # JIT-compiled CPU ops (their build hash depends on the ninja version), about a minute each.
-# An environment of your own (activated, or PYTHON=...) is used as it is.
+# An environment of your own (activated, or PYTHON=...) is used as it is. TORCH_EXTENSIONS_DIR
+# (where DeepSpeed compiles its ops) defaults to a folder inside whichever environment runs.
 AA_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [ -z "${PYTHON:-}" ]; then
     PYTHON=python
@@ -21,3 +22,9 @@ if [ -z "${PYTHON:-}" ]; then
     fi
 fi
 export PYTHON
+# DeepSpeed's JIT-compiled ops go into the environment's own folder (as the Makefile sets it): a
+# folder shared by two environments makes each rebuild the ops the other built last.
+if [ -z "${TORCH_EXTENSIONS_DIR:-}" ]; then
+    TORCH_EXTENSIONS_DIR="$("$PYTHON" -c 'import sys; print(sys.prefix)')/torch_extensions"
+    export TORCH_EXTENSIONS_DIR
+fi

@@ -165,6 +165,7 @@ def spawn(
     nproc: int = 1,
     extra_env: dict[str, str] | None = None,
     module: str = "align_anything.train",
+    wrap: list[str] | None = None,
 ) -> subprocess.Popen:
     """Start `align_anything.train` with `overrides` (plus `output_dir=...`) in the background.
 
@@ -172,7 +173,8 @@ def spawn(
     --master_port P --module`) or "torchrun" (`torchrun --nproc_per_node N --master_port P -m`).
     The launcher and every rank form one new process group (`_kill_group` ends all of them);
     stdout and stderr are one text pipe. `module` replaces the entry point (a test's wrapper
-    that patches something, then calls `align_anything.train.main`).
+    that patches something, then calls `align_anything.train.main`); `wrap` is a command that
+    runs the launch command given as its last arguments (e.g. in its own mount namespace).
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
@@ -210,7 +212,7 @@ def spawn(
     # A new session makes the launcher and every rank it starts one process group, so a timeout
     # can end all of them (killing only the launcher would leave ranks holding the port).
     return subprocess.Popen(
-        command,
+        [*(wrap or []), *command],
         cwd=REPO_ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -255,14 +257,16 @@ def launch(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     extra_env: dict[str, str] | None = None,
     module: str = "align_anything.train",
+    wrap: list[str] | None = None,
 ) -> RunResult:
     """Run `align_anything.train` (see `spawn`) and wait for it. On timeout the whole process
     group (launcher and ranks) is killed and the test fails with the output tail. Returns even
     when the run fails: call `.check()` to require success.
     """
     proc = spawn(
-        overrides, output_dir, launcher=launcher, nproc=nproc, extra_env=extra_env, module=module
-    )
+        overrides, output_dir, launcher=launcher, nproc=nproc, extra_env=extra_env, module=module,
+        wrap=wrap,
+    )  # fmt: skip
     return finish(proc, output_dir, timeout_s=timeout_s)
 
 

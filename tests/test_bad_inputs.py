@@ -229,7 +229,48 @@ CASES = [
      ["resume='{bad}/nowhere' is not a complete align_anything checkpoint"]),
     ("resume-from-a-model-folder", ["task=sft", TINY, "resume={bad}/no_template"],
      ["resume='{bad}/no_template' is not a complete align_anything checkpoint"]),
+    # Issue 24 (3): a NaN or infinite weight makes every total reward NaN or inf.
+    ("reward-weight-nan", ["task=grpo", TINY, "reward.weights=[nan]"],
+     ["1 problem", "reward.weights: weights must be finite numbers, got nan"]),
+    ("reward-weight-inf", ["task=grpo", TINY, "reward.weights=[1.0,inf]",
+                           "reward.functions=[align_anything.rewards:arith_exact,"
+                           "align_anything.rewards:arith_format]"],
+     ["1 problem", "reward.weights: weights must be finite numbers, got inf"]),
+    # Issue 24 (13): the key at fault is reward.model (model.name_or_path is fine).
+    ("reward-model-missing-folder",
+     ["task=grpo", TINY, "reward.functions=[]", "reward.model={bad}/no_rm/final"],
+     ["1 problem", "reward.model: no such folder", "'{bad}/no_rm/final'",
+      "the final/ folder of a task=rm run"]),
+    # Issue 24 (14): no key max_prompt_length exists; say which two keys collide.
+    ("completion-fills-max-length",
+     ["task=grpo", TINY, "grpo.max_completion_length=64", "data.max_length=64"],
+     ["grpo.max_completion_length=64 leaves no room for the prompt: data.max_length=64",
+      "Raise data.max_length", "or lower grpo.max_completion_length below 64"]),
+    ("rloo-completion-over-max-length",
+     ["task=rloo", TINY, "rloo.max_completion_length=100", "data.max_length=64"],
+     ["rloo.max_completion_length=100 leaves no room for the prompt: data.max_length=64"]),
+    # Issue 24 (15): one problem per mixture entry, and a did-you-mean for a misspelt key.
+    ("mixture-entry-misspelt-key", ["task=sft", TINY, "data.path=[{{path: arith-sft, wieght: 1}}]"],
+     ["1 problem", "data.path.0.wieght: unknown key (did you mean 'data.path.0.weight'?)"]),
+    ("mixture-entry-bad-weight", ["task=sft", TINY, "data.path=[{{path: arith-sft, weight: -1}}]"],
+     ["1 problem", "data.path.0.weight: Input should be greater than 0 (given: -1)"]),
+    ("mixture-entry-weight-and-rows",
+     ["task=sft", TINY, "data.eval_path=[{{path: arith-sft, weight: 1, rows: 3}}]"],
+     ["1 problem", "data.eval_path.0: give a source a weight or a row count, not both"]),
+    # Issue 24 (20): a path Hydra's grammar cannot take unquoted: say how to quote it.
+    ("output-dir-needs-quotes", ["task=sft", TINY, "output_dir={bad}/my run (2)"],
+     ["cannot parse override 'output_dir={bad}/my run (2)'", "must be quoted for Hydra: "
+      "output_dir='{bad}/my run (2)'", "quoted once more: \"output_dir='{bad}/my run (2)'\""]),
 ]  # fmt: skip
+
+# Lines that a message must not hold (the misleading text of issue 24's cases).
+NOT_IN_MESSAGE = {
+    "reward-model-missing-folder": ["model.name_or_path"],
+    "completion-fills-max-length": ["max_prompt_length", "got 0"],
+    "mixture-entry-misspelt-key": ["valid string"],
+    "mixture-entry-bad-weight": ["valid string"],
+    "mixture-entry-weight-and-rows": ["valid string"],
+}
 
 
 def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -237,11 +278,14 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.parametrize(
-    ("overrides", "fragments"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+    ("overrides", "fragments", "absent"),
+    [(*c[1:], NOT_IN_MESSAGE.get(c[0], [])) for c in CASES],
+    ids=[c[0] for c in CASES],
 )
 def test_bad_input_is_reported_before_any_step(
-    overrides: list[str], fragments: list[str], bad: Path, tmp_path: Path, capsys
-) -> None:
+    overrides: list[str], fragments: list[str], absent: list[str], bad: Path, tmp_path: Path,
+    capsys,
+) -> None:  # fmt: skip
     args = [a.format(bad=bad) for a in overrides]
     before = _snapshot(bad)
     status = main([*args, f"output_dir={tmp_path / 'out'}"])
@@ -252,6 +296,8 @@ def test_bad_input_is_reported_before_any_step(
     assert err.startswith("error: ") and "Traceback" not in err, err
     for fragment in fragments:
         assert fragment.format(bad=bad) in err, f"{fragment.format(bad=bad)!r} not in:\n{err}"
+    for fragment in absent:
+        assert fragment not in err, f"{fragment!r} (misleading) in:\n{err}"
     metrics = tmp_path / "out" / "metrics.jsonl"
     assert not metrics.exists() or not any(
         "loss" in json.loads(line) for line in metrics.read_text().splitlines()
@@ -292,3 +338,133 @@ def test_score_rejects_a_file_that_is_not_json(bad: Path, tmp_path: Path) -> Non
     assert result.returncode == 2, result.stderr
     assert f"{source} line 2: invalid JSON" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_interpolation_in_output_dir_is_one_message(tmp_path: Path, capsys) -> None:
+    """Issue 24 (12): `${no_such.key}` names a key that does not exist: one message naming the
+    override, not omegaconf's traceback."""
+    status = main(["task=sft", TINY, "output_dir=${no_such.key}"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert err.startswith("error: 'output_dir=${no_such.key}': Interpolation key 'no_such.key' "
+                          "not found"), err  # fmt: skip
+    assert "Traceback" not in err and "escape it as '\\${'" in err
+
+
+def test_the_quoted_form_the_hint_suggests_parses(tmp_path: Path, capsys) -> None:
+    """Issue 24 (20): the form the message suggests is taken as the path, spaces and all."""
+    from align_anything.config import load_config
+
+    target = tmp_path / "my run (2)"
+    assert main(["task=sft", TINY, f"output_dir={target}"]) == 2
+    err = capsys.readouterr().err
+    suggested = err.split("must be quoted for Hydra: ")[1].split(" (on a shell")[0]
+    assert suggested == f"output_dir='{target}'"
+    assert load_config(["task=sft", suggested]).output_dir == str(target)
+
+
+# ---------------------------------------------------------------------------- the tools
+# `python -m align_anything <command>` in-process (its `main`, as the module runs it).
+
+
+def _tool(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    from align_anything.__main__ import main as tool_main
+
+    status = tool_main(args)
+    err = capsys.readouterr().err
+    assert status == 2, f"expected exit 2, got {status}:\n{err}"
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+def test_presets_export_refuses_to_overwrite_an_edited_copy(tmp_path: Path, capsys) -> None:
+    """Issue 24 (7): an edited ds_z3_config.json is not replaced without --overwrite."""
+    from align_anything.__main__ import main as tool_main
+    from align_anything.config import preset_path
+
+    assert tool_main(["presets", "export", "z3", str(tmp_path)]) == 0
+    copy = tmp_path / "ds_z3_config.json"
+    edited = copy.read_text().replace('"stage": 3', '"stage": 3, "note": "mine"')
+    copy.write_text(edited)
+    capsys.readouterr()
+    err = _tool(["presets", "export", "z3", str(tmp_path)], capsys)
+    assert f"{copy} already exists (not the shipped preset (edited?)); nothing was written" in err
+    assert "--overwrite" in err
+    assert copy.read_text() == edited
+    assert tool_main(["presets", "export", "z3", str(tmp_path), "--overwrite"]) == 0
+    assert copy.read_bytes() == preset_path("z3").read_bytes()
+
+
+@pytest.mark.parametrize("world", ["0", "-2"])
+def test_plan_refuses_a_world_size_below_one(world: str, capsys) -> None:
+    """Issue 24 (17): 0 was taken as 1, -2 printed negative budgets."""
+    err = _tool(["plan", "--world-size", world, "task=sft", TINY], capsys)
+    assert f"--world-size {world}: give a positive number of devices" in err
+
+
+def test_score_refuses_batch_size_zero_before_reading_anything(bad: Path, tmp_path, capsys):
+    """Issue 24 (12): --batch-size 0 (range() with step 0 deep in the scoring loop)."""
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"prompt": "hi", "response": "yo"}\n')
+    err = _tool(["score", str(bad / "nowhere"), str(source), "--batch-size", "0"], capsys)
+    assert "--batch-size 0: give a positive number" in err
+
+
+def test_score_and_plot_refuse_an_out_in_a_missing_folder_before_any_work(
+    bad: Path, tmp_path: Path, capsys
+) -> None:
+    """Issue 24 (12): score used to load the model and score every row before failing to open
+    --out; here the model folder does not even exist, and --out is reported first."""
+    source = tmp_path / "rows.jsonl"
+    source.write_text('{"prompt": "hi", "response": "yo"}\n')
+    out = tmp_path / "missing" / "scored.jsonl"
+    err = _tool(["score", str(bad / "nowhere"), str(source), "--out", str(out)], capsys)
+    assert f"--out {out}: the folder {out.parent} does not exist" in err
+    assert "Nothing was computed" in err and not out.parent.exists()
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.5}\n')
+    png = tmp_path / "missing" / "metrics.png"
+    err = _tool(["plot", str(run), "--out", str(png)], capsys)
+    assert f"--out {png}: the folder {png.parent} does not exist" in err
+
+
+# ---------------------------------------------------------------------------- reward output
+# Whole runs in a subprocess (DeepSpeed keeps process-group state that a second in-process run
+# cannot reuse). One short GRPO step on the tiny model; the functions are in rl_test_rewards.py.
+GRPO_STEP = [
+    "task=grpo", TINY, "deepspeed=z0", "grpo.max_completion_length=4", "grpo.num_generations=2",
+    "train.per_device_batch_size=2", "grpo.eval_samples=0", "train.max_steps=1",
+]  # fmt: skip
+
+
+@pytest.mark.slow  # launches a GRPO run each
+@pytest.mark.parametrize(
+    ("function", "fragment"),
+    [
+        # Issue 24 (3): finite in Python, inf in float32: the run logged inf and trained on nothing.
+        ("huge_first", "returned 1e+39, beyond float32's range (±3.4e+38)"),
+        # Issue 24 (16): the run ended with exit status 0 and no message.
+        ("exits", "raised SystemExit(0) (it must return its values, not exit)"),
+    ],
+)
+def test_unusable_reward_output_stops_the_run_naming_function_and_row(
+    function: str, fragment: str, tmp_path: Path
+) -> None:
+    from conftest import launch, tail
+
+    out = tmp_path / "run"
+    run = launch(
+        [*GRPO_STEP, f"reward.functions=[rl_test_rewards:{function}]"], out,
+        extra_env={"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])},
+    )  # fmt: skip
+    assert run.returncode == 2, tail(run.output)
+    assert (
+        f"error: reward in step 1 failed, before that step's optimizer update: reward function "
+        f"{function!r} on line " in run.output
+    ), tail(run.output)
+    assert fragment in run.output and "Traceback" not in run.output
+    assert run.train_steps() == []
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+    assert not (out / ".lock").exists()

@@ -3,7 +3,7 @@
 ZeRO stage or the micro-batch / accumulation split.
 
 Why they can match to ~1e-6: each optimizer step draws the same global batch of rows whatever
-the split (trainers/base.step_indices), and the loss is normalised by the global item count, so
+the split (training/batching.step_indices), and the loss is normalised by the global item count, so
 after DeepSpeed's averaging the gradient is the same mean; only fp32 summation order differs.
 """
 

@@ -283,10 +283,13 @@ def test_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path: Path) -
     assert failed.returncode == 2, tail(failed.output)
     step2 = run_dir / "checkpoints" / "step-2"
     assert (
-        f"error: could not write checkpoint step-4 (step 4): No space left on device "
-        f"({run_dir / 'checkpoints' / '.tmp-step-4' / 'deepspeed' / 'mp_rank_00_model_states.pt'})"
-        f"; the previous checkpoint {step2} is intact." in failed.output
+        f"error: could not write checkpoint step-4 (step 4): no space left on device under "
+        f"{run_dir / 'checkpoints'} (" in failed.output
     ), tail(failed.output)
+    assert re.search(
+        rf"; step-2 takes \d+ MB\); the previous checkpoint {re.escape(str(step2))} is intact\.",
+        failed.output,
+    )
     assert "Traceback" not in failed.output
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
     resumed = launch([*args, "resume=auto", "train.max_steps=3"], run_dir).check()
@@ -320,3 +323,227 @@ def test_a_rank_that_dies_ends_the_run_quickly_and_is_named(tmp_path: Path) -> N
     assert re.search(r"'--local_rank=1'.*exits with return code = -9", result.output), tail(
         result.output
     )
+
+
+# ---------------------------------------------------------------------------- a hung reward
+# Issue 24 (8): a reward function that never returns (rl_test_rewards.hangs, which creates
+# $RL_TEST_MARKER when it is entered). One short GRPO step on the tiny model.
+HANGING_REWARD = [
+    "task=grpo", *COMMON, "deepspeed=z0", "grpo.max_completion_length=4", "grpo.num_generations=2",
+    "train.per_device_batch_size=2", "grpo.eval_samples=0", "train.max_steps=2",
+    "reward.functions=[rl_test_rewards:hangs]",
+]  # fmt: skip
+
+
+def _spawn_hanging(run_dir: Path, marker: Path, *args: str) -> subprocess.Popen:
+    from conftest import REPO_ROOT
+
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]),
+        "RL_TEST_MARKER": str(marker),
+    }
+    proc = spawn([*HANGING_REWARD, *args], run_dir, extra_env=env)
+    deadline = time.monotonic() + 180
+    while not marker.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _kill_group(proc)
+            pytest.fail(f"the run never called the reward function:\n{tail(proc.communicate()[0])}")
+        time.sleep(0.05)
+    return proc
+
+
+def _assert_ended_cleanly(run_dir: Path, status: str, output: str) -> None:
+    """run.json records how the run ended, the lock is released, nothing temporary is left."""
+    assert json.loads((run_dir / "run.json").read_text())["status"] == status
+    left = sorted(p.name for p in run_dir.rglob("*") if p.name.startswith("."))
+    assert left == [], f"left behind in {run_dir}: {left}"
+    assert "Traceback" not in output, tail(output)
+
+
+def test_sigterm_while_a_reward_function_hangs_ends_in_a_clean_stop(tmp_path: Path) -> None:
+    """A scheduler sends SIGTERM once and SIGKILL after its grace period (30 s by default in
+    Slurm and Kubernetes). The step cannot end while the reward hangs, so the call gets
+    REWARD_GRACE_S (10 s) and is then abandoned: exit 143, run.json "stopped", lock released,
+    well before a SIGKILL would come. (Before: nothing happened until kill -9.)"""
+    run_dir, marker = tmp_path / "run", tmp_path / "entered"
+    proc = _spawn_hanging(run_dir, marker)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    result = finish(proc, run_dir, timeout_s=60)
+    took = time.monotonic() - signalled
+    assert result.returncode == 128 + signal.SIGTERM, tail(result.output)
+    assert took < 30, f"stopped {took:.1f} s after SIGTERM: a scheduler would have killed it"
+    assert "SIGTERM received: finishing this step, then writing a checkpoint" in result.output
+    assert (
+        "stopped by SIGTERM: reward function 'hangs' was still running on line " in result.output
+    ), tail(result.output)
+    _assert_ended_cleanly(run_dir, "stopped", result.output)
+
+
+def test_a_second_signal_stops_at_once(tmp_path: Path) -> None:
+    """SIGTERM, then Ctrl-C: the second signal does not wait for the step (or the reward's grace
+    period, 10 s): exit 130 at once, run.json "stopped", lock released. (Before: both ignored.)"""
+    run_dir, marker = tmp_path / "run", tmp_path / "entered"
+    proc = _spawn_hanging(run_dir, marker)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    result = finish(proc, run_dir, timeout_s=60)
+    took = time.monotonic() - signalled
+    assert result.returncode == 128 + signal.SIGINT, tail(result.output)
+    assert took < 5, f"stopped {took:.1f} s after the second signal"
+    assert "stopped at once by a second stop signal (SIGINT after SIGTERM)" in result.output
+    _assert_ended_cleanly(run_dir, "stopped", result.output)
+
+
+def test_a_reward_function_past_reward_timeout_seconds_fails_the_run(tmp_path: Path) -> None:
+    """reward.timeout_seconds bounds one call: exit 2, one message naming the function and the
+    rows, run.json "failed", lock released."""
+    from conftest import REPO_ROOT
+
+    run_dir = tmp_path / "run"
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
+    result = launch([*HANGING_REWARD, "reward.timeout_seconds=2"], run_dir, extra_env=env,
+                    timeout_s=90)  # fmt: skip
+    assert result.returncode == 2, tail(result.output)
+    assert (
+        "error: reward in step 1 failed, before that step's optimizer update: reward function "
+        "'hangs' did not return within reward.timeout_seconds=2 on line " in result.output
+    ), tail(result.output)
+    assert "(2 completions)" in result.output
+    _assert_ended_cleanly(run_dir, "failed", result.output)
+
+
+# ---------------------------------------------------------------------------- a full disk
+# Issue 24 (11): output_dir on a real filesystem that fills up while step-2 is written. A
+# 60 MB tmpfs holds step-1 (36 MB for the tiny model on ZeRO-0) but not step-2 beside it. It is
+# mounted in a mount namespace of the run's own (`unshare`: no root needed where user namespaces
+# are allowed), so it disappears with the run; the script copies what the run left first.
+# torch.save reports the full disk as a RuntimeError without ENOSPC, which is what went wrong.
+TMPFS_SCRIPT = """mnt=$1; copy=$2; shift 2
+mount -t tmpfs -o size=60m tmpfs "$mnt" || exit 99
+"$@"; rc=$?
+cp -a "$mnt/." "$copy/"
+exit $rc
+"""
+
+
+def test_a_disk_that_fills_up_during_a_checkpoint_fails_the_run_cleanly(tmp_path: Path) -> None:
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (unshare -rm: {probe.stderr.decode().strip()})")
+    script = tmp_path / "on_tmpfs.sh"
+    script.write_text(TMPFS_SCRIPT)
+    mnt, copy = tmp_path / "mnt", tmp_path / "after"
+    mnt.mkdir()
+    copy.mkdir()
+    run_dir = mnt / "run"
+    result = launch(
+        ["task=sft", *COMMON, "deepspeed=z0", "data.max_length=64", "train.max_steps=3",
+         "checkpoint.every_steps=1", "checkpoint.keep_last=1", "data.max_eval_samples=4"],
+        run_dir, wrap=["unshare", "-rm", "bash", str(script), str(mnt), str(copy)],
+    )  # fmt: skip
+    assert result.returncode == 2, tail(result.output)
+    checkpoints_dir = run_dir / "checkpoints"
+    assert (
+        f"error: could not write checkpoint step-2 (step 2): no space left on device under "
+        f"{checkpoints_dir} (" in result.output
+    ), tail(result.output)
+    assert f"the previous checkpoint {checkpoints_dir / 'step-1'} is intact" in result.output
+    assert "Traceback" not in result.output and "warning: could not record" not in result.output
+    after = copy / "run"
+    _assert_ended_cleanly(after, "failed", result.output)  # no .lock, .tmp-run.json, .tmp-step-2
+    from align_anything.training import checkpoints
+
+    assert [p.name for p in (after / "checkpoints").iterdir()] == ["step-1"]
+    assert checkpoints.verify(after / "checkpoints" / "step-1") is None
+
+
+# ---------------------------------------------------------------------------- what is saved
+# Issue 24 (6): final/ stored the tied input embedding and LM head twice (25 MB for the tiny
+# model, whose own folder holds 12.9 MB).
+
+
+def test_final_stores_a_tied_embedding_once_and_equals_the_export_of_the_last_checkpoint(
+    finished_run: RunResult, tmp_path: Path
+) -> None:
+    import sys
+
+    import torch
+    from conftest import REPO_ROOT
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from align_anything.models.zoo import resolve_model_path
+
+    final = finished_run.check().output_dir / "final"
+    base = Path(resolve_model_path("tiny-random-llama")) / "model.safetensors"
+    saved = load_file(final / "model.safetensors")
+    assert "model.embed_tokens.weight" in saved and "lm_head.weight" not in saved
+    assert (final / "model.safetensors").stat().st_size <= base.stat().st_size + 4096
+    # The export of the last checkpoint (merged by DeepSpeed's zero_to_fp32, saved from a model
+    # whose weights share one tensor) holds the very same tensors.
+    exported = tmp_path / "exported"
+    subprocess.run(
+        [sys.executable, "-m", "align_anything", "export",
+         str(finished_run.output_dir / "checkpoints" / "step-3"), "--out", str(exported)],
+        cwd=REPO_ROOT, check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    other = load_file(exported / "model.safetensors")
+    assert sorted(other) == sorted(saved)
+    assert all(torch.equal(saved[k], other[k]) for k in saved)
+    model = AutoModelForCausalLM.from_pretrained(final)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, saved["model.embed_tokens.weight"])
+
+
+def test_export_of_an_image_text_checkpoint_is_complete(tmp_path: Path) -> None:
+    """Issue 24 (5): `export` of a tiny-random-llava checkpoint wrote the tokenizer but not the
+    processor, so AutoProcessor could not load the folder. Now it holds the processor of the
+    run's model (same ids, same pixels), the weights of the checkpoint (those final/ holds after
+    the same step) and generates on an image; final/ loads with AutoProcessor too."""
+    import sys
+
+    import torch
+    from conftest import REPO_ROOT
+    from PIL import Image
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from align_anything.data.synthetic import make_dataset
+    from align_anything.models.loading import load_processor
+    from align_anything.models.zoo import resolve_model_path
+
+    data = make_dataset("shapes", tmp_path / "shapes", rows=12, seed=0, text_every=2)
+    run_dir = tmp_path / "run"
+    launch(
+        ["task=sft", *COMMON, "model.name_or_path=tiny-random-llava", "deepspeed=z0",
+         f"data.path={data / 'sft.jsonl'}", "data.eval_fraction=0.0", "train.max_steps=1",
+         "train.per_device_batch_size=2", "checkpoint.every_steps=1"],
+        run_dir,
+    ).check()  # fmt: skip
+    exported = tmp_path / "exported"
+    done = subprocess.run(
+        [sys.executable, "-m", "align_anything", "export",
+         str(run_dir / "checkpoints" / "step-1"), "--out", str(exported)],
+        cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    base = load_processor(resolve_model_path("tiny-random-llava"))
+    prompt = ("<|im_start|>user\n<image>\nWhat colour is the shape?<|im_end|>\n"
+              "<|im_start|>assistant\n")  # fmt: skip
+    image = Image.new("RGB", (16, 16), (200, 10, 10))
+    expected = base(text=[prompt], images=[image], return_tensors="pt")
+    for folder in (exported, run_dir / "final"):
+        got = AutoProcessor.from_pretrained(folder)(text=[prompt], images=[image],
+                                                    return_tensors="pt")  # fmt: skip
+        assert torch.equal(got["input_ids"], expected["input_ids"]), folder
+        assert torch.equal(got["pixel_values"], expected["pixel_values"]), folder
+    weights = load_file(exported / "model.safetensors")
+    final = load_file(run_dir / "final" / "model.safetensors")
+    assert sorted(weights) == sorted(final)
+    assert all(torch.equal(weights[k], final[k]) for k in final)
+    model = AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
+    out = model.generate(**expected, max_new_tokens=2, do_sample=False)
+    assert out.shape[1] > expected["input_ids"].shape[1]

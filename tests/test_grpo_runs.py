@@ -8,7 +8,7 @@ rewards and advantages vary within each group.
 
 How 2 ranks can give the losses of 1 rank with sampling: completion j of a prompt in round k is
 drawn from its own generator, seeded by (train.seed, k, the prompt's row, j) (Gumbel-max over
-the processed logits, `trainers/rollout.py`), so the completions do not depend on which rank or
+the processed logits, `training/rollout.py`), so the completions do not depend on which rank or
 batch generates them; the same weights give the same completions on 1 rank and on 2, and after
 a resume. Nothing is patched for the test: this is how every run samples. (Equal up to float
 noise: another batch composition pads differently, and a near tie of two tokens could flip;

@@ -84,6 +84,31 @@ def user_module(tmp_path, monkeypatch):
                 return ["good" if "42" in c else 0.0 for c in completions]
             def abstains(prompts, completions, **kwargs):
                 return [None if c.startswith("Answer") else 0.5 for c in completions]
+            def huge(prompts, completions, **kwargs):
+                return [1.0, 1e39, 1.0, 1.0][: len(completions)]
+            def large(prompts, completions, **kwargs):
+                return [3e38] * len(completions)
+            def exits(prompts, completions, **kwargs):
+                raise SystemExit(0)
+            def sleeps(prompts, completions, **kwargs):
+                import time
+                time.sleep(3600)
+            def spins(prompts, completions, **kwargs):
+                while True:
+                    pass
+            def swallows(prompts, completions, **kwargs):
+                import time
+                try:
+                    time.sleep(3600)
+                except BaseException:
+                    pass
+                return [0.0] * len(completions)
+            def converts(prompts, completions, **kwargs):
+                import time
+                try:
+                    time.sleep(3600)
+                except BaseException:
+                    raise ValueError("interrupted")
             """
         )
     )
@@ -203,3 +228,96 @@ def test_row_labels_from_the_data_are_named_as_given() -> None:
             load_reward_functions(["align_anything.rewards:arith_exact"]), [1.0],
             prompts=["q"], completions=["Answer: 42"], fields={}, row_ids=["line 12"],
         )  # fmt: skip
+
+
+# --- issue 24: values beyond float32, SystemExit, a call that does not return -----------------
+
+
+def test_a_reward_beyond_float32_is_an_error_naming_function_and_row(user_module) -> None:
+    # 1e39 is a finite Python float but inf in float32, where rewards are computed.
+    message = _error_of("my_rewards:huge")
+    assert "'huge' on data row 7" in message and repr(COMPLETIONS[1]) in message
+    assert "returned 1e+39, beyond float32's range (±3.4e+38)" in message
+
+
+def test_a_weighted_total_beyond_float32_is_an_error(user_module) -> None:
+    # 3e38 x 1 + 3e38 x 1 overflows float32.
+    functions = load_reward_functions(["my_rewards:large", "align_anything.rewards:arith_format"])
+    with pytest.raises(RewardError, match=r"the weighted reward of data row 7 .* is inf in "
+                       r"float32: large 3e\+38 x 1, arith_format 1 x 3e\+38"):  # fmt: skip
+        _score(functions, [1.0, 3e38])
+
+
+def test_system_exit_in_a_reward_function_is_a_failure(user_module) -> None:
+    message = _error_of("my_rewards:exits")
+    assert "'exits' on data row 7" in message
+    assert "raised SystemExit(0) (it must return its values, not exit)" in message
+
+
+def _timed(spec: str, timeout_s: float = 0.5) -> str:
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RewardError) as caught:
+        score_completions(
+            load_reward_functions([spec]), [1.0], prompts=PROMPTS, completions=COMPLETIONS,
+            fields=FIELDS, row_ids=ROW_IDS, timeout_s=timeout_s,
+        )  # fmt: skip
+    assert time.monotonic() - start < timeout_s + 2.0
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["sleeps", "spins", "swallows", "converts"])
+def test_a_call_past_its_deadline_is_an_error_naming_function_and_rows(user_module, name):
+    """Blocked in a system call, spinning in Python, swallowing the interruption and returning,
+    or turning it into an error of its own: each is reported as the timeout."""
+    import signal
+
+    from align_anything import rewards
+
+    before = signal.getsignal(signal.SIGUSR2)
+    message = _timed(f"my_rewards:{name}")
+    assert message == (
+        f"reward function {name!r} did not return within reward.timeout_seconds=0.5 on data "
+        "row 7, data row 3 (4 completions). Make it faster (or bound its own work), or raise "
+        "reward.timeout_seconds"
+    )
+    # Nothing left behind: the handler restored, no call active, no watchdog thread.
+    import threading
+
+    assert signal.getsignal(signal.SIGUSR2) == before and rewards.active_call() is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("reward-deadline")]
+
+
+def test_a_stop_signal_cuts_a_hung_call_short(user_module) -> None:
+    """What the SIGTERM handler does (training/preemption.py): the call gets a grace period,
+    then the run stops as preempted, naming the function."""
+    import signal
+    import threading
+
+    from align_anything import rewards
+    from align_anything.errors import Preempted
+
+    def cut() -> None:
+        while rewards.active_call() is None:
+            pass
+        rewards.active_call().cut_short(0.3, signal.SIGTERM)
+
+    threading.Thread(target=cut, daemon=True).start()
+    with pytest.raises(Preempted) as caught:
+        score_completions(
+            load_reward_functions(["my_rewards:sleeps"]), [1.0], prompts=PROMPTS,
+            completions=COMPLETIONS, fields=FIELDS, row_ids=ROW_IDS, timeout_s=60.0,
+        )  # fmt: skip
+    assert caught.value.signum == signal.SIGTERM
+    assert "stopped by SIGTERM: reward function 'sleeps' was still running on data row 7" in str(
+        caught.value
+    )
+
+
+def test_a_call_within_its_deadline_returns_its_values(user_module) -> None:
+    total, _ = score_completions(
+        load_reward_functions(["my_rewards:length_penalty"]), [1.0], prompts=PROMPTS,
+        completions=COMPLETIONS, fields=FIELDS, row_ids=ROW_IDS, timeout_s=30.0,
+    )  # fmt: skip
+    assert total.tolist() == [-len(c) for c in COMPLETIONS]

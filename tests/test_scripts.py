@@ -202,3 +202,50 @@ def test_an_example_runs_without_activating_the_venv(tmp_path: Path) -> None:
     finish(proc, tmp_path / "sft", timeout_s=400).check()
     for stage in ("dpo", "rm", "sft"):
         assert (tmp_path / stage / "run.json").exists(), stage
+
+
+# ---------------------------------------------------------------------------- compiled ops
+# Issue 24: every new environment compiled DeepSpeed's CPU shared-memory communication op on its
+# first run (one to two minutes on two cores), and environments sharing ~/.cache/torch_extensions
+# rebuilt each other's ops.
+
+
+def test_the_makefile_gives_the_environment_its_own_extension_folder() -> None:
+    show = ["make", "-s", "--eval", "show-ext: ; @echo $$TORCH_EXTENSIONS_DIR", "show-ext"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    done = subprocess.run(show, cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(REPO_ROOT / ".venv" / "torch_extensions")
+    mine = subprocess.run(show, cwd=REPO_ROOT, env={**env, "TORCH_EXTENSIONS_DIR": "/elsewhere"},
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert mine.stdout.strip() == "/elsewhere"  # a folder the user chose is kept
+
+
+def test_env_sh_gives_the_environment_its_own_extension_folder() -> None:
+    import sys
+
+    probe = 'source scripts/env.sh && echo "$TORCH_EXTENSIONS_DIR"'
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env["PYTHON"] = sys.executable
+    done = subprocess.run(["bash", "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    assert done.stdout.strip() == str(Path(sys.prefix) / "torch_extensions")
+    env["TORCH_EXTENSIONS_DIR"] = "/elsewhere"
+    done = subprocess.run(["bash", "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    assert done.stdout.strip() == "/elsewhere"
+
+
+@pytest.mark.slow  # launches a run
+def test_a_one_process_run_compiles_nothing(tmp_path: Path) -> None:
+    """In a fresh extension folder, a plain ZeRO-0 run builds no op (DeepSpeed's shared-memory
+    all-reduce served only its tensor-parallel inference layers)."""
+    from conftest import launch
+
+    extensions = tmp_path / "torch_extensions"
+    run = launch(
+        [f"model.name_or_path={TINY_MODEL}", "task=sft", "deepspeed=z0", "train.max_steps=1",
+         "data.max_length=64", "data.max_eval_samples=4", "checkpoint.save_final=false"],
+        tmp_path / "run", extra_env={"TORCH_EXTENSIONS_DIR": str(extensions)},
+    ).check()  # fmt: skip
+    assert "deepspeed_shm_comm" not in run.output
+    assert not extensions.exists() or not any(extensions.iterdir()), list(extensions.iterdir())

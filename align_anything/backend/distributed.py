@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import deepspeed
@@ -63,13 +63,13 @@ def setup_distributed(timeout_s: float = 600.0) -> DistInfo:
     else:
         device = torch.device(accelerator.device_name())
     if not dist.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend=backend,
-            auto_mpi_discovery=False,
-            verbose=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
-        _unlink_shm_allreduce_buffer()
+        with _without_shm_comm_op():
+            deepspeed.init_distributed(
+                dist_backend=backend,
+                auto_mpi_discovery=False,
+                verbose=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
     _DIST = DistInfo(
         rank=dist.get_rank(),
         local_rank=local_rank,
@@ -96,21 +96,28 @@ def teardown_distributed() -> None:
     _DIST = None
 
 
-def _unlink_shm_allreduce_buffer() -> None:
-    """DeepSpeed's CPU shared-memory all-reduce (0.19) creates a 66 MB file per rank in
-    /dev/shm and never removes it, so every multi-rank CPU run would leave RAM behind for good
-    (even more so a killed one). Every rank has mapped every buffer once `init_distributed`
-    returns everywhere, so after one barrier each rank unlinks its own name: the mappings stay
-    valid until the processes exit, and the memory is freed then."""
-    if get_accelerator().device_name() != "cpu" or dist.get_world_size() == 1:
-        return
-    name = (
-        f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-        f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}"
-    )
-    dist.barrier()
-    with contextlib.suppress(OSError):
-        (Path("/dev/shm") / name).unlink()
+@contextlib.contextmanager
+def _without_shm_comm_op() -> Iterator[None]:
+    """Keep DeepSpeed from building its CPU shared-memory communication op while it sets up the
+    process group.
+
+    DeepSpeed 0.19's TorchBackend compiles `deepspeed_shm_comm` (C++, one to two minutes on two
+    cores, on every new environment's first run) and probes every op's compiler first, on any
+    CPU run, even of one process. The op serves only `inference_all_reduce`, the all-reduce of
+    DeepSpeed's tensor-parallel inference layers (`module_inject`), which nothing here uses:
+    training's collectives go through torch.distributed (gloo on CPU) either way, so no number
+    changes. Without the op, DeepSpeed also creates no 66 MB buffer per rank in /dev/shm (which
+    it never removed). No DeepSpeed setting skips it at run time: the DS_BUILD_* variables only
+    choose what `pip install` builds ahead."""
+    # `from deepspeed.comm import torch` would give the torch package (deepspeed.comm re-exports it).
+    ds_torch_backend = importlib.import_module("deepspeed.comm.torch")
+
+    build = ds_torch_backend.build_shm_op
+    ds_torch_backend.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch_backend.build_shm_op = build
 
 
 def barrier() -> None:

@@ -30,7 +30,7 @@ def modalities_of(config: Any) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _not_found(name_or_path: str, err: Exception) -> ModelError:
+def _not_found(name_or_path: str, err: Exception, key: str = "model.name_or_path") -> ModelError:
     first_line = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
     if Path(name_or_path).expanduser().is_dir():
         config = _local_config(name_or_path) or {}
@@ -39,19 +39,19 @@ def _not_found(name_or_path: str, err: Exception) -> ModelError:
             import transformers
 
             return ModelError(
-                f"model.name_or_path={name_or_path!r} is a local folder whose config.json has "
+                f"{key}={name_or_path!r} is a local folder whose config.json has "
                 f"model_type {model_type!r}, which transformers {transformers.__version__} does "
                 "not know: upgrade transformers, or, where the folder ships the model's own "
                 "Python code (named in config.json's auto_map), set model.trust_remote_code=true "
                 "to run that code"
             )
         return ModelError(
-            f"model.name_or_path={name_or_path!r} is a local folder that transformers could not "
+            f"{key}={name_or_path!r} is a local folder that transformers could not "
             f"load ({first_line})"
         )
     hint = did_you_mean(name_or_path, BUILTIN_MODELS)
     return ModelError(
-        f"model.name_or_path={name_or_path!r} could not be loaded: it is not a built-in name"
+        f"{key}={name_or_path!r} could not be loaded: it is not a built-in name"
         f"{hint} ({', '.join(BUILTIN_MODELS)}), not a local folder, and not in the local Hugging "
         f"Face cache ({first_line})"
     )
@@ -104,16 +104,19 @@ def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any
     return tokenizer
 
 
-def load_config(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
-    """The model's transformers config (cheap: no weights)."""
+def load_config(
+    name_or_path: str, *, trust_remote_code: bool = False, key: str = "model.name_or_path"
+) -> Any:
+    """The model's transformers config (cheap: no weights). `key`: the config key that named
+    the model, for messages (`reward.model` for a reward model)."""
     from transformers import AutoConfig
 
-    path = resolve_model_path(name_or_path)
+    path = resolve_model_path(name_or_path, key=key)
     refuse_remote_code(path, trust_remote_code=trust_remote_code)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise _not_found(name_or_path, err) from None
+        raise _not_found(name_or_path, err, key) from None
 
 
 def text_hidden_size(config: Any) -> int:

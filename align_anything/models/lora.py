@@ -182,10 +182,17 @@ def merge_adapter_folder(
     """Load the base model on CPU in fp32, apply the adapter from `adapter_dir`, merge it into
     the weights and write a plain Hugging Face folder (safetensors) with the tokenizer
     (`export_record`: see `write_hf_folder`)."""
+    from align_anything.models.loading import load_processor, modalities_of
+
     model, tokenizer = load_adapter_model(adapter_dir, base_path, task=task)
     merged = model.merge_and_unload()
     if task == "rm":
         merged.config.pad_token_id = tokenizer.pad_token_id
+    if modalities_of(merged.config):
+        # An image-text / audio-text folder needs the processor: the run's (final/ holds it
+        # beside the adapter), else the base model's.
+        saved = any((Path(adapter_dir) / name).exists() for name in PROCESSOR_FILES)
+        tokenizer = load_processor(str(adapter_dir) if saved else base_path)
     return write_hf_folder(merged, tokenizer, out, export_record=export_record)
 
 
@@ -194,11 +201,16 @@ def merge_adapter_folder(
 EXPORT_RECORD = "align_anything_export.json"
 
 
+# What a saved processor writes beside the tokenizer (transformers 5).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
 def write_hf_folder(
     model: Any, tokenizer: Any, out: Path, *, export_record: dict | None = None
 ) -> Path:
-    """`save_pretrained` model + tokenizer into `out`, atomically (align_anything/atomic.py);
-    with `export_record`, also EXPORT_RECORD holding it."""
+    """`save_pretrained` model + tokenizer (or a multimodal model's processor) into `out`,
+    atomically (align_anything/atomic.py); with `export_record`, also EXPORT_RECORD holding
+    it."""
     out = Path(out)
     with atomic.folder(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

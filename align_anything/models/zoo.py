@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from align_anything import atomic
+from align_anything.config import names_a_missing_folder
 from align_anything.errors import ModelError
 
 TEXT_SIZE = 64  # hidden size of the tiny language models
@@ -231,18 +232,19 @@ def _materialise(name: str) -> Path:
     return target
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """A local folder for built-in names and local paths; hub names pass through unchanged."""
+def resolve_model_path(name_or_path: str, *, key: str = "model.name_or_path") -> str:
+    """A local folder for built-in names and local paths; hub names pass through unchanged.
+    `key` is the config key that gave the name, for messages (e.g. `reward.model`)."""
     if name_or_path in BUILTIN_MODELS:
         return str(_materialise(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelError(
-                f"model.name_or_path={name_or_path!r}: folder has no config.json "
+                f"{key}={name_or_path!r}: folder has no config.json "
                 "(expected a Hugging Face model folder, e.g. output_dir/final)"
             )
         return str(path)
-    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-        raise ModelError(f"model.name_or_path={name_or_path!r}: no such folder")
+    if names_a_missing_folder(name_or_path):
+        raise ModelError(f"{key}={name_or_path!r}: no such folder")
     return name_or_path

@@ -198,10 +198,14 @@ class Algorithm(Protocol):
 class Rewards:
     """The run's rewards: functions (weighted) and a reward model (its weight last)."""
 
-    def __init__(self, functions: list, weights: list[float], model: RewardModel | None) -> None:
+    def __init__(
+        self, functions: list, weights: list[float], model: RewardModel | None, *,
+        timeout_s: float | None,
+    ) -> None:  # fmt: skip
         self.functions = functions
         self.weights = weights
         self.model = model
+        self.timeout_s = timeout_s  # each function call's deadline (reward.timeout_seconds)
         self.names = [name for name, _ in functions] + (["reward_model"] if model else [])
 
     def describe(self) -> str:
@@ -227,6 +231,7 @@ class Rewards:
                     scored, by_name = reward_fns.score_completions(
                         self.functions, self.weights[:count], prompts=prompts,
                         completions=texts, fields=row_fields(rows), row_ids=row_ids,
+                        timeout_s=self.timeout_s,
                     )  # fmt: skip
                 except reward_fns.RewardError as err:
                     raise UserError(failed_reward(str(err), step, good_checkpoint())) from None
@@ -577,7 +582,8 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         )  # fmt: skip
         run.summary.append(model.describe())
     rewards = Rewards(
-        reward_fns.load_reward_functions(cfg.reward.functions), cfg.reward.weight_list(), model
+        reward_fns.load_reward_functions(cfg.reward.functions), cfg.reward.weight_list(), model,
+        timeout_s=cfg.reward.timeout_seconds,
     )
     frozen = None
     if rl.beta > 0:

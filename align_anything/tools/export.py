@@ -50,7 +50,7 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
 
     from align_anything.backend.universal import checkpoint_state_dict
     from align_anything.models import lora
-    from align_anything.models.loading import empty_model, load_config, load_tokenizer
+    from align_anything.models.loading import empty_model, load_text_side
     from align_anything.models.zoo import resolve_model_path
     from align_anything.training import checkpoints
 
@@ -79,8 +79,9 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
             folder, model_path, target, task=run["task"], export_record=record
         )
     trust = bool(run["model"].get("trust_remote_code", False))
-    config = load_config(model_path, trust_remote_code=trust)
-    tokenizer = load_tokenizer(model_path, trust_remote_code=trust)
+    # An image-text or audio-text model's folder needs its processor (image processor or
+    # feature extractor, chat template), not only the tokenizer: AutoProcessor loads it.
+    config, tokenizer, processor = load_text_side(model_path, trust_remote_code=trust)
     model = empty_model(config, reward=run["task"] == "rm", dtype=torch.float32)
     adapters = run["model"].get("lora", {})
     if adapters.get("enabled"):
@@ -103,7 +104,7 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
         )
     if adapters.get("enabled"):
         model = model.merge_and_unload()
-    return lora.write_hf_folder(model, tokenizer, target, export_record=record)
+    return lora.write_hf_folder(model, processor or tokenizer, target, export_record=record)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from align_anything.config import load_config
-from align_anything.errors import UserError, report
+from align_anything.errors import ConfigError, UserError, report
 from align_anything.plan import format_table, plan
 
 
@@ -29,10 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         "overrides", nargs="*", help="config overrides, as for align_anything.train"
     )
     args = parser.parse_args(argv)
-    world = args.world_size or int(
-        os.environ.get("WORLD_SIZE", torch.cuda.device_count() if torch.cuda.is_available() else 1)
-    )
+    world = args.world_size
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", torch.cuda.device_count() or 1))
     try:
+        for flag, value in (("--world-size", world), ("--gpus-per-node", args.gpus_per_node)):
+            if value is not None and value < 1:
+                raise ConfigError(
+                    f"{flag} {value}: give a positive number of devices (e.g. {flag} 8)"
+                )
         overrides = [o for o in args.overrides if not o.startswith("deepspeed=")]
         cfg = load_config(overrides)
         estimates, budget, source, sizes = plan(

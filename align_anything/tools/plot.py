@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from align_anything.errors import DataError, UserError, report
+from align_anything.errors import DataError, UserError, check_output_file, report
 
 # Logged figures that describe the run's mechanics rather than what the model learns.
 NOT_TASK_METRICS = frozenset(
@@ -107,6 +107,8 @@ def build_figure(records: list[dict[str, Any]], *, title: str = "") -> Any:
 def plot_run(path: Path, out: Path | None = None) -> Path:
     """Draw `path` (a run folder or a metrics.jsonl file) to `out` (default: metrics.png beside
     the metrics file); returns the PNG's path."""
+    if out is not None:
+        check_output_file("--out", out)
     records = read_metrics(path)
     folder = path if path.is_dir() else path.parent
     out = out or folder / "metrics.png"

@@ -3,6 +3,7 @@
     python -m align_anything presets list              # each preset with when to use it
     python -m align_anything presets show z3           # print the JSON as shipped
     python -m align_anything presets export z3 DIR     # copy ds_z3_config.json into DIR, unchanged
+    python -m align_anything presets export z3 DIR --overwrite  # replace a copy already there
 
 The files are standalone DeepSpeed JSON with "auto" where a value depends on the run, following
 the HF Trainer's and accelerate's conventions, so an exported preset works there as it is
@@ -50,13 +51,21 @@ def list_presets() -> str:
     )
 
 
-def export_preset(name: str, directory: Path) -> Path:
-    """Copy the shipped file of `name` into `directory` (created if missing), byte for byte."""
+def export_preset(name: str, directory: Path, *, overwrite: bool = False) -> Path:
+    """Copy the shipped file of `name` into `directory` (created if missing), byte for byte.
+    A file of that name already there (perhaps edited) is replaced only with `overwrite`."""
     source = shipped_file(name)
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{directory} exists and is not a folder")
-    directory.mkdir(parents=True, exist_ok=True)
     target = directory / source.name
+    if target.exists() and not overwrite:
+        same = target.is_file() and target.read_bytes() == source.read_bytes()
+        state = "the shipped preset, unchanged" if same else "not the shipped preset (edited?)"
+        raise ConfigError(
+            f"{target} already exists ({state}); nothing was written. Add --overwrite to replace "
+            "it with the shipped file, or export into another folder."
+        )
+    directory.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
     return target
 
@@ -72,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     export = commands.add_parser("export", help="copy a preset's file into a folder")
     export.add_argument("name")
     export.add_argument("directory", type=Path)
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace a file of that name in the folder"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "list":
@@ -79,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "show":
             sys.stdout.write(shipped_file(args.name).read_text())
         else:
-            print(f"wrote {export_preset(args.name, args.directory)}")
+            print(f"wrote {export_preset(args.name, args.directory, overwrite=args.overwrite)}")
     except UserError as err:
         return report(err)
     return 0

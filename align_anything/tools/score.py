@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from align_anything.errors import DataError, ModelError, UserError, report
+from align_anything.errors import DataError, ModelError, UserError, check_output_file, report
 
 
 def _messages(row: dict[str, Any], name: str) -> list[dict[str, str]]:
@@ -156,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=2048)
     args = parser.parse_args(argv)
     try:
+        # Before any row is read or weights load: a bad number or --out would otherwise fail
+        # only after every row was scored.
+        for flag, value in (("--batch-size", args.batch_size), ("--max-length", args.max_length)):
+            if value < 1:
+                raise UserError(f"{flag} {value}: give a positive number (e.g. {flag} 8)")
+        if args.out:
+            check_output_file("--out", args.out)
         path = Path(args.input)
         if not path.is_file():
             raise DataError(f"{args.input}: no such file")

@@ -17,6 +17,8 @@ weights load.
 
 from __future__ import annotations
 
+import errno
+import gc
 import json
 import os
 import random
@@ -274,8 +276,10 @@ def save(
     JSON data), the trainer `state` and, last, the manifest; rename it when complete, then
     prune the run's older checkpoints. A crash mid-save never damages the last good
     checkpoint. A failed write (disk full, unwritable folder) removes the partial folder and
-    raises CheckpointWriteError naming the file; on several ranks the failing rank exits and
-    the launcher ends the others. Collective: call on every rank."""
+    raises CheckpointWriteError naming the file, or, when the disk filled up (torch.save says
+    so only as a RuntimeError), the folder; on several ranks the failing rank exits and the
+    launcher ends the others. Anything else (a stop signal mid-save) also removes the partial
+    folder before it propagates. Collective: call on every rank."""
     tmp = atomic.temporary_sibling(folder)
     run_id = state["run_id"]
     try:
@@ -294,19 +298,58 @@ def save(
                 (tmp / name).write_text(atomic.to_json(data))
             write_manifest(tmp, run_id=run_id, step=state["step"])  # last
             atomic.publish(tmp, folder)
-    except OSError as err:
+    except BaseException as err:
+        full = _disk_full(err, folder.parent)
+        if not (full or isinstance(err, OSError)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise  # not a write that failed (a bug, or a stop signal): as it is, without the folder
+        detail = (
+            f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}"
+            if isinstance(err, OSError)
+            else str(err)
+        )
+    else:
+        detail = None
+    if detail is not None:
+        # Out of the except block: the failed writer's frames (which hold its open file, whose
+        # space is freed only once closed) are gone with the exception.
+        gc.collect()
         shutil.rmtree(tmp, ignore_errors=True)  # give back whatever space it took
         good = last_complete(folder.parent, run_id)
         kept = f"the previous checkpoint {good} is intact" if good else "no earlier checkpoint"
+        if full:
+            need = f"; {good.name} takes {_megabytes(good)} MB" if good else ""
+            free = shutil.disk_usage(folder.parent).free >> 20
+            detail = f"no space left on device under {folder.parent} ({free} MB free{need})"
         raise CheckpointWriteError(
-            f"could not write checkpoint {folder.name} (step {state['step']}): "
-            f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}; {kept}. Free "
-            f"space or make {folder.parent} writable, then run again with resume=auto."
-        ) from None
+            f"could not write checkpoint {folder.name} (step {state['step']}): {detail}; {kept}. "
+            f"Free space or make {folder.parent} writable, then run again with resume=auto."
+        )
     if is_main:  # only once the new one is complete
         prune(folder.parent, run_id=run_id, keep_last=keep_last)
     comm.barrier()
     return folder
+
+
+# Free space below this after a failed write means the disk filled up. torch.save reports a
+# full disk as a RuntimeError of its zip writer ("unexpected pos ..."), without ENOSPC, and a
+# failed write leaves at most the last block unused.
+_FULL_BELOW_BYTES = 1 << 20
+
+
+def _disk_full(err: BaseException, folder: Path) -> bool:
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    if not isinstance(err, (OSError, RuntimeError)):
+        return False
+    try:
+        return shutil.disk_usage(folder).free < _FULL_BELOW_BYTES
+    except OSError:
+        return False
+
+
+def _megabytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob('*') if p.is_file()) >> 20
 
 
 def load(folder: Path, *, engines: dict[str, Any], rank: int) -> int:
@@ -328,6 +371,24 @@ def load(folder: Path, *, engines: dict[str, Any], rank: int) -> int:
     return int(state["step"])
 
 
+def without_tied_copies(
+    module: Any, state: dict[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    """`state` without the weights the model ties to another one (its `all_tied_weights_keys`,
+    target -> source: e.g. `lm_head.weight` -> `model.embed_tokens.weight`) where the two are
+    equal. save_pretrained leaves out a tied weight only when both names share one tensor; a
+    gathered full state dict (ZeRO, the EMA) holds two equal copies, which it would store twice
+    (25 MB instead of 12.9 MB for the tiny model); `from_pretrained` ties them again."""
+    tied = getattr(module, "all_tied_weights_keys", None) or {}
+    if state is None or not tied:
+        return state
+    return {
+        name: value
+        for name, value in state.items()
+        if not (name in tied and tied[name] in state and torch.equal(value, state[tied[name]]))
+    }
+
+
 def write_final(
     folder: Path, module: Any, state: dict[str, torch.Tensor] | None, *, tokenizer: Any,
     configs: dict[str, Any],
@@ -338,6 +399,7 @@ def write_final(
         if lora.is_peft_model(module):
             lora.save_adapter(module, state, tmp)
         else:
+            state = without_tied_copies(module, state)
             module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         for name, data in configs.items():

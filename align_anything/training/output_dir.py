@@ -251,7 +251,12 @@ def finish_run(output_dir: Path, *, status: str, step: int) -> None:
     """Record how the run ended in run.json (`complete` also records that final/ holds this
     step, when it was written)."""
     done = status == "complete" and (Path(output_dir) / "final").is_dir()
-    write_run(output_dir, status=status, step=step, **({"final_step": step} if done else {}))
+    try:
+        write_run(output_dir, status=status, step=step, **({"final_step": step} if done else {}))
+    except OSError as err:
+        # A full disk must not also keep the run from releasing its lock (cleanup goes on).
+        print(f"warning: could not record status {status!r} in {Path(output_dir) / RUN_FILE}: "
+              f"{err.strerror or err}", flush=True)  # fmt: skip
 
 
 def start_run(

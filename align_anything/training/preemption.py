@@ -2,9 +2,19 @@
 
 Schedulers (Slurm, Kubernetes, spot instances) send SIGTERM some seconds before they kill a job;
 under the deepspeed launcher and torchrun the signal reaches every rank (the launcher forwards it
-to its children, and a process-group kill reaches them directly). The handler only records the
-signal; the trainer finishes the current optimizer step, agrees with the other ranks that someone
-was signalled, writes a checkpoint and exits. A second Ctrl-C (SIGINT) stops at once.
+to its children, and a process-group kill reaches them directly). The first signal is only
+recorded: the trainer finishes the current optimizer step, agrees with the other ranks that
+someone was signalled, writes a checkpoint and exits.
+
+Two things could keep that from happening, and each has its way out:
+- A second signal (SIGTERM or SIGINT, e.g. Ctrl-C twice) stops at once: the handler raises
+  `Preempted`, the run records "stopped" in run.json, releases its lock and exits with
+  128 + the signal; the step in progress is lost, the last complete checkpoint stands.
+- A step that cannot end: a reward function that does not return. The step loop would never
+  reach its boundary, and a scheduler sends SIGTERM once, then SIGKILL after its grace period
+  (Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds are 30 s by default). So a
+  reward call in progress when the first signal comes gets `REWARD_GRACE_S` more seconds; if
+  it has not returned by then it is abandoned and the run stops as above (`rewards.RewardCall`).
 """
 
 from __future__ import annotations
@@ -15,11 +25,18 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
+from align_anything import rewards
+from align_anything.errors import Preempted
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# What a reward call in progress may still take after the first stop signal: well inside the
+# 30 s a scheduler leaves by default, with time left to write the checkpoint if it returns.
+REWARD_GRACE_S = 10.0
 
 
 class StopRequest:
-    """Context manager: while active, SIGTERM/SIGINT set `signum` instead of ending the process.
+    """Context manager: while active, SIGTERM/SIGINT set `signum` instead of ending the process;
+    a second one raises `Preempted` at once.
 
     Installed only in the main thread (Python's rule for signal handlers); elsewhere it is inert.
     The previous handlers are restored on exit.
@@ -47,20 +64,26 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            # Second Ctrl-C: the user does not want to wait for the checkpoint.
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        if self.signum is None:
-            self.signum = signum
-            if self._announce:
-                # os.write, not print: a handler may run in the middle of another print.
-                name = signal.Signals(signum).name
-                hint = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-                os.write(
-                    2,
-                    f"\n{name} received: finishing this step, then writing a checkpoint{hint}\n".encode(),
-                )
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            first = signal.Signals(self.signum).name
+            raise Preempted(
+                f"stopped at once by a second stop signal ({name} after {first}): the step in "
+                "progress was not finished and no checkpoint of it was written; resume=auto "
+                "continues from the newest complete checkpoint",
+                signum,
+            )
+        self.signum = signum
+        if self._announce:
+            # os.write, not print: a handler may run in the middle of another print.
+            os.write(
+                2,
+                f"\n{name} received: finishing this step, then writing a checkpoint (send it "
+                "again, or press Ctrl-C, to stop at once)\n".encode(),
+            )
+        call = rewards.active_call()
+        if call is not None:
+            call.cut_short(REWARD_GRACE_S, signum)
 
 
 def agreed_signal(request: StopRequest | None) -> int:

@@ -41,8 +41,8 @@ class RewardModel:
         """`path`: the reward model's folder (`reward.model`); `model_init_config`: the
         policy's DeepSpeed config (under ZeRO-3 the model loads partitioned); `ds_config`: the
         frozen engine's (`DeepSpeedPlan.reference_config`)."""
-        self.path = zoo.resolve_model_path(path)
-        config = model_loading.load_config(self.path)
+        self.path = zoo.resolve_model_path(path, key="reward.model")
+        config = model_loading.load_config(self.path, key="reward.model")
         architectures = getattr(config, "architectures", None) or []
         if not any("SequenceClassification" in a or "Reward" in a for a in architectures):
             raise ConfigError(
