@@ -165,6 +165,19 @@ def drop_report(source: str, total: int, drops: Any, labels: Any, *, fmt: str = 
 # ----------------------------------------------------------------- stage 2: records
 
 
+def _features(**columns: str) -> Any:
+    """`datasets.Features` of plain value columns, e.g. `_features(record="string")`."""
+    import datasets
+
+    return datasets.Features({name: datasets.Value(dtype) for name, dtype in columns.items()})
+
+
+# The columns `_convert_batch` writes: the record as JSON (None: dropped), its row label, the
+# drop reason and the media problem (None: none), whether it has media.
+RECORD_COLUMNS = {"record": "string", SOURCE_ROW: "string", "_drop": "string",
+                  "_problem": "string", "_media": "bool"}  # fmt: skip
+
+
 def _convert_batch(batch: dict[str, list], indices: list[int], *, opened: OpenedSource,
                    media: Any, base_dir: Path | None) -> dict[str, list]:  # fmt: skip
     out: dict[str, list] = {"record": [], SOURCE_ROW: [], "_drop": [], "_problem": [],
@@ -189,16 +202,22 @@ def _convert_batch(batch: dict[str, list], indices: list[int], *, opened: Opened
     return out
 
 
-def _map(dataset: Any, function: Any, *, work: Path, name: str, num_proc: int,
+def _map(dataset: Any, function: Any, *, features: Any, work: Path, name: str, num_proc: int,
          opened: OpenedSource | None = None, **kwargs: Any) -> Any:  # fmt: skip
     """`dataset.map(function, batched=True)`, its files under `work` (never the `datasets`
     cache: the build folder is removed or published as a whole), no fingerprint hashing of the
-    function (the cache key already says what the rows depend on)."""
+    function (the cache key already says what the rows depend on).
+
+    `features` types every column `function` writes. Without it `datasets` takes a column's type
+    from the first writer batch (1,000 rows), and a nullable column (a drop reason, a media
+    problem) that is None throughout that batch becomes type null: `datasets` 5 then refuses the
+    first real value further on, so a file whose first bad row comes after row 1,000 crashed."""
     try:
         return dataset.map(
             function, batched=True, num_proc=_processes(len(dataset), num_proc),
             cache_file_name=str(work / f"{name}.arrow"), load_from_cache_file=False,
-            new_fingerprint=name, remove_columns=dataset.column_names, **kwargs,
+            new_fingerprint=name, remove_columns=dataset.column_names, features=features,
+            **kwargs,
         )  # fmt: skip
     except Exception as exc:
         cause: BaseException | None = exc
@@ -218,7 +237,8 @@ def read_records(opened: OpenedSource, *, media: Any, model_name: str, work: Pat
 
     base_dir = media_base_dir(opened.path) if media is not None else None
     converted = _map(
-        opened.dataset, _convert_batch, work=work, name=name, with_indices=True, opened=opened,
+        opened.dataset, _convert_batch, features=_features(**RECORD_COLUMNS), work=work,
+        name=name, with_indices=True, opened=opened,
         num_proc=1 if media is not None else num_proc,
         fn_kwargs={"opened": dataclasses.replace(opened, dataset=None), "media": media,
                    "base_dir": base_dir},
@@ -355,7 +375,10 @@ def _unpair_batch(batch: dict[str, list]) -> dict[str, list]:
 def unpair_records(records: Any, *, work: Path, name: str) -> Any:
     """`formats.unpair` on a records dataset: unpaired records first, then every pair's chosen
     completion as a desirable row, then every rejected one, each group in the given order."""
-    expanded = _map(records, _unpair_batch, work=work, name=name, num_proc=1)
+    expanded = _map(
+        records, _unpair_batch, work=work, name=name, num_proc=1,
+        features=_features(record="string", **{SOURCE_ROW: "string"}, _group="int8"),
+    )  # fmt: skip
     group = expanded.data.column("_group").to_numpy()
     order = np.argsort(group, kind="stable")
     return expanded.select(order, keep_in_memory=True).select_columns(["record", SOURCE_ROW])
