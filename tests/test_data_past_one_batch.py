@@ -163,3 +163,37 @@ def test_media_rows_past_the_first_writer_batch(
     missing = bad.parent / "images" / "missing.png"
     assert f"line {MEDIA_MISSING}: image file {missing} does not exist" in failed.output
     assert not failed.metrics
+
+
+# ---------------------------------------------------------------------------- past one JSON chunk
+
+# `datasets`' JSON builder reads 10 MB at a time and casts every later chunk to the first one's
+# column types; these rows are ~1 KB, so 12,000 of them span two chunks.
+CHUNK_ROWS = 12000
+PAD = "x" * 1000
+
+
+def test_a_bad_value_or_a_new_column_past_the_first_json_chunk_is_one_row(tmp_path: Path) -> None:
+    """A number where the other rows have text, on line 11,000, is that row's drop; a column
+    first seen on line 11,500 is that row's value. (With `datasets`' builder the first made it
+    JSON-encode the column from its chunk on: ~1,000 rows trained on quoted text; the second
+    failed the whole file.)"""
+    from align_anything.data import load_records
+
+    rows = [{"prompt": f"question {i} {PAD}", "chosen": "yes", "rejected": "no"}
+            for i in range(CHUNK_ROWS)]  # fmt: skip
+    rows[10999]["chosen"] = 5
+    rows[11499]["system"] = "Answer briefly."
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert path.stat().st_size > 11 << 20
+    records, report = load_records(str(path), format="preference")
+    assert report.summary().endswith(
+        f"kept {CHUNK_ROWS - 1} of {CHUNK_ROWS} rows, dropped 1 (line and row numbers of the "
+        "file, from 1):\n        1  column 'chosen' is neither text nor a message list (line 11000)"
+    ), report.summary()
+    assert {r["chosen"][0]["content"] for r in records} == {"yes"}
+    assert {r["rejected"][0]["content"] for r in records} == {"no"}
+    (system,) = [r for r in records if r["prompt"][0]["role"] == "system"]
+    assert system["prompt"][0]["content"] == "Answer briefly."
+    assert system["prompt"][1]["content"].startswith("question 11499 ")

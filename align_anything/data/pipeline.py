@@ -182,9 +182,8 @@ def _convert_batch(batch: dict[str, list], indices: list[int], *, opened: Opened
                    media: Any, base_dir: Path | None) -> dict[str, list]:  # fmt: skip
     out: dict[str, list] = {"record": [], SOURCE_ROW: [], "_drop": [], "_problem": [],
                             "_media": []}  # fmt: skip
-    columns = list(batch)
-    for k, index in enumerate(indices):
-        record, reason = opened.convert({c: batch[c][k] for c in columns}, index)
+    for raw, index in zip(opened.rows(batch), indices, strict=True):
+        record, reason = opened.convert(raw, index)
         label = opened.row_names(index)
         problem, has_media = None, False
         if record is not None:
