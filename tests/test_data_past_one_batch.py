@@ -197,3 +197,27 @@ def test_a_bad_value_or_a_new_column_past_the_first_json_chunk_is_one_row(tmp_pa
     (system,) = [r for r in records if r["prompt"][0]["role"] == "system"]
     assert system["prompt"][0]["content"] == "Answer briefly."
     assert system["prompt"][1]["content"].startswith("question 11499 ")
+
+
+def test_a_csv_value_of_another_type_past_the_first_chunk_is_one_row(tmp_path: Path) -> None:
+    """`datasets` guesses CSV column types per 10,000 rows: labels 0/1, then "maybe" on data row
+    15,001, failed the whole file ("Failed to parse string: 'maybe' as a scalar of type
+    int64"). Read as text it is that row's drop, and the margins (text) still count as numbers."""
+    import csv
+
+    from align_anything.data import load_records
+    from align_anything.data.formats import check_margins
+
+    path = tmp_path / "rows.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["prompt", "completion", "label", "margin"])
+        for i in range(25000):
+            writer.writerow([f"q{i}", f"a{i}", "maybe" if i == 15000 else i % 2, i % 3 / 2])
+    records, report = load_records(str(path))
+    assert report.summary().endswith(
+        "kept 24999 of 25000 rows, dropped 1 (line and row numbers of the file, from 1):\n"
+        f"        1  label is not {LABEL_SHAPE} (row 15001)"
+    ), report.summary()
+    assert [r["label"] for r in records[:4]] == [False, True, False, True]
+    check_margins(records, "margin", str(path))  # "0.5" is a number

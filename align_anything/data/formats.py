@@ -697,6 +697,11 @@ def _margin_problem(value: Any) -> str | None:
     """What kind of bad margin `value` is, or None for a finite number."""
     if value is None:
         return "missing"
+    if isinstance(value, str):  # a CSV file read as text (`sources`): the number's text
+        try:
+            value = float(value)
+        except ValueError:
+            return "not a number"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return "not a number"
     if not math.isfinite(value):

@@ -75,11 +75,23 @@ def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what
     level = builder_logger.level
     builder_logger.setLevel(logging.CRITICAL)
     try:
-        dataset = datasets.load_dataset(builder, data_files=data_files, split=split)
+        try:
+            dataset = datasets.load_dataset(builder, data_files=data_files, split=split)
+        except Exception as exc:
+            if builder != "csv" or not _is_type_error(exc):
+                raise
+            # `datasets` guesses a CSV column's type per 10,000 rows (pandas' guess) and casts
+            # later chunks to the first: a column of 0/1 with "maybe" on row 15,000 fails the
+            # file. CSV cells are text: read them as text, so that row is one row's drop.
+            features = datasets.Features(
+                {name: datasets.Value("string") for name in _csv_header(files[0])}
+            )
+            dataset = datasets.load_dataset(
+                builder, data_files=data_files, split=split, features=features
+            )
     except Exception as exc:
         if _is_no_rows_error(exc):
             raise DataError(f"{what} is empty: it holds no data rows") from exc
-        files = [Path(f) for names in data_files.values() for f in names]
         located = _first_bad_line(files, builder)
         if located is not None:
             raise DataError(_bad_line_message(what, files, located)) from exc
@@ -93,6 +105,26 @@ def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what
     if len(dataset) == 0:
         raise DataError(f"{what} is empty: it holds no data rows")
     return dataset
+
+
+def _is_type_error(exc: BaseException) -> bool:
+    """Whether `datasets` failed on a value of another type than its column's."""
+    import pyarrow as pa
+    from datasets.table import CastError
+
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, (pa.ArrowInvalid, pa.ArrowTypeError, CastError, TypeError)):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _csv_header(path: Path) -> list[str]:
+    import csv
+
+    with open(path, newline="", encoding="utf-8-sig") as handle:
+        return next(csv.reader(handle), [])
 
 
 # ----------------------------------------------------------------- JSON lines, one row at a time
