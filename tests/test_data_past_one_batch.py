@@ -13,6 +13,7 @@ its unreadable image after row 1,000 is one error naming the line.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -105,6 +106,9 @@ def test_drops_past_the_first_writer_batch_are_reported_by_line(
         tmp_path / "run",
     ).check()
     assert "Traceback" not in run.output
+    # The start-up summary names the versions a bug report needs (issue #26).
+    torch_version = importlib.metadata.version("torch")
+    assert run.summary_line("versions").startswith(f"torch {torch_version}, deepspeed ")
     assert f"tokenising {ROWS - len(CONVERT_DROPS)} rows (data.num_proc={num_proc})" in run.output
     assert len(run.train_steps()) == 1
     # The file's report (every row counted), then the encoder's: each names the lines.

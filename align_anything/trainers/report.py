@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from align_anything import plan
 from align_anything.backend import ds_config as dsc
-from align_anything.backend import memory
+from align_anything.backend import memory, versions
 from align_anything.models import parts as model_parts
 from align_anything.models.loading import count_parameters
 from align_anything.models.sizes import sizes_of
@@ -48,6 +48,7 @@ def startup_summary(t: Trainer) -> str:
         f"align_anything {t.task}",
         f"  model           {cfg.model.name_or_path} ({t.model_config.model_type}): "
         f"{count(trainable)} trainable, {count(frozen)} frozen parameters",
+        f"  versions        {versions.library_versions()}",
         f"  world size      {ds.batch.world_size} ({t.dist.backend} on {t.dist.device.type})",
         f"  effective batch {ds.batch.describe()}",
         f"  steps           {t.total_steps} ({t.steps_per_epoch} per epoch, "
