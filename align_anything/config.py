@@ -9,6 +9,7 @@ here -> preset JSON loaded (duplicate keys rejected) with `deepspeed.*` override
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 from collections.abc import Sequence

@@ -196,8 +196,9 @@ def test_a_mixture_shows_each_source_and_is_deterministic(tokenizer, hh_sample, 
            Source("arith-pref", "auto", {}, weight=1.0))  # fmt: skip
     s = spec(str(hh_sample), Encoding("preference"), train=mix)
     got = prepare(s, tokenizer, tmp_path / "a")
-    assert got.mixture[0] == "train mixture of 2 sources, 192 rows:"  # 96 rows each
-    assert "96 rows ( 50.0%)" in got.mixture[1] and "arith-pref, weight=1" in got.mixture[2]
+    # 86 rows each: 10% of each source (arith-pref: 10 of 96) held out before mixing.
+    assert got.mixture[0] == "train mixture of 2 sources, 172 rows:"
+    assert "86 rows ( 50.0%)" in got.mixture[1] and "arith-pref, weight=1" in got.mixture[2]
     assert [r.source for r in got.reports[:2]] == [str(hh_sample), "arith-pref (built-in)"]
     again = prepare(s, tokenizer, tmp_path / "b")
     assert [got.train[i] for i in range(len(got.train))] == [
@@ -419,3 +420,44 @@ def test_grpo_prompts_cache_miss_then_hit_through_the_entry_point(tmp_path: Path
         assert second.train_steps()[0][key] == first.train_steps()[0][key], key
     assert second.eval("after")["eval/reward"] == first.eval("after")["eval/reward"]
     assert "eval/generation_check" in first.eval("after")  # the built-in held-out check
+
+
+# ---------------------------------------------------------------------------- held out before mixing
+
+
+def _ids(rows) -> set[tuple]:
+    return {(tuple(r["prompt_ids"]), tuple(r["chosen_ids"])) for r in rows}
+
+
+@pytest.mark.parametrize("mix", ["rows", "twice"])
+def test_no_held_out_row_is_a_training_row_when_a_mixture_repeats_rows(
+    tokenizer, tmp_path, mix
+) -> None:
+    """Issue #24 case 1: the split was taken after mixing, so copies of one row landed on both
+    sides (16 of 16 held-out rows were training rows for `rows: 100000` of a 200-row file, 18
+    of 20 for one file listed twice). Each source is now split by its own rows first."""
+    path = tmp_path / "pairs.jsonl"
+    rows = [{"prompt": f"What is {i} + {i}?", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}"}
+            for i in range(200)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train = (
+        (Source(str(path), "auto", {}, rows=2000),)
+        if mix == "rows"
+        else (Source(str(path), "auto", {}, weight=1.0), Source(str(path), "auto", {}, weight=1.0))
+    )
+    got = prepare(spec(str(path), Encoding("preference"), train=train), tokenizer, tmp_path / "c")
+    train_rows = [got.train[i] for i in range(len(got.train))]
+    eval_rows = [got.eval[i] for i in range(len(got.eval))]
+    assert len(eval_rows) == len(_ids(eval_rows)) == 20  # 10% of the file's own rows, once each
+    assert not _ids(eval_rows) & _ids(train_rows)
+    assert len(_ids(train_rows)) == 180
+    assert got.mixture[-1] == (
+        "held out before mixing: 20 rows (data.eval_fraction=0.1 of each source's own rows)"
+    )
+    if mix == "rows":
+        assert len(train_rows) == 2000
+        assert got.mixture[1].endswith(
+            f"rows=2000; its 180 rows repeated, {2000 / 180:.2f} times each"
+        )
+    else:
+        assert len(train_rows) == 360 and "repeated" not in "".join(got.mixture)

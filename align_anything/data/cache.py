@@ -39,8 +39,10 @@ from align_anything.data.formats import DataReport
 from align_anything.data.rows import EncodedRows, RecordsView
 from align_anything.data.sources import source_files
 
-# Raise when the same inputs would encode to other rows (it is part of every key).
-ENCODER_VERSION = 1
+# Raise when the same inputs would encode to other rows (it is part of every key). 2: JSON-lines
+# rows are their exact JSON (`sources.row_dicts`), no longer Arrow's unified columns; a mixture
+# is split per source before mixing.
+ENCODER_VERSION = 2
 CACHE_FORMAT = 1
 MANIFEST = atomic.MANIFEST
 SPLITS = ("train", "eval", "eval_records")

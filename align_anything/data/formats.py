@@ -36,11 +36,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from align_anything.data.sources import load_dataset, undecodable_text
+from align_anything.data.sources import columns_of, load_dataset, row_dicts, undecodable_text
 from align_anything.errors import ConfigError, DataError, did_you_mean
 
 FORMATS = ("auto", "conversation", "prompt_response", "preference", "hh", "unpaired", "prompt")
 ROLES = ("system", "user", "assistant")
+# Rows `load_records` reads from the loaded file at a time.
+LOAD_BATCH = 1000
 
 # Names `columns` may map; "completion" is accepted as another name for "response".
 CANONICAL_COLUMNS = (
@@ -462,7 +464,8 @@ class OpenedSource:
     """A loaded source and how its rows become records: the format (detected or given) and the
     canonical name -> file column mapping, checked against the file's columns."""
 
-    dataset: Any  # datasets.Dataset of the file's rows
+    dataset: Any  # datasets.Dataset of the file's rows (`sources.row_dicts` reads them)
+    columns: list[str]  # the file's columns (`sources.columns_of`)
     path: str  # as given (data.path)
     source: str  # where it came from, as messages name it
     row_names: Any  # `RowNames`: "line 12"
@@ -475,6 +478,10 @@ class OpenedSource:
         """The record kind its rows become ("conversation", "preference", "unpaired",
         "prompt")."""
         return FORMAT_KINDS[self.format]
+
+    def rows(self, batch: Mapping[str, list]) -> list[dict[str, Any]]:
+        """The file rows of a batch of `dataset` as dicts over `columns`."""
+        return row_dicts(batch, self.columns)
 
     def convert(self, raw: Mapping[str, Any], index: int) -> tuple[dict | None, str | None]:
         """(record, None) for file row `raw` (number `index`), or (None, the drop reason)."""
@@ -512,7 +519,7 @@ def open_source(
         )
     mapping = _check_columns_argument(columns)
     dataset, source, row_names, files = load_dataset(path, split)
-    found = list(dataset.column_names)
+    found = columns_of(dataset)
 
     for name, column in mapping.items():
         if column not in found:
@@ -531,7 +538,7 @@ def open_source(
     names = set(renames)
 
     try:
-        first = dataset[0]
+        first = row_dicts(dataset[:1], found)[0]
     except UnicodeDecodeError as err:
         raise undecodable_text(err, source, row_names(0), files) from None
     first_row = {name: first[column] for name, column in renames.items()}
@@ -541,7 +548,7 @@ def open_source(
             # An unpaired file calls its answer column `completion` (mapped to `response`).
             shown = "completion" if fmt == "unpaired" and name == "response" else name
             raise _missing_column_error(shown, source, found, fmt)
-    return OpenedSource(dataset, path, source, row_names, files, fmt, renames)
+    return OpenedSource(dataset, found, path, source, row_names, files, fmt, renames)
 
 
 def load_records(
@@ -574,19 +581,22 @@ def load_records(
     dataset = opened.dataset
     report = DataReport(source=opened.source, total=len(dataset), format=opened.format)
     records = []
-    rows = iter(dataset)
-    for index in range(len(dataset)):
+    index = 0
+    batches = dataset.iter(batch_size=LOAD_BATCH)
+    while index < len(dataset):
         try:
-            raw = next(rows)
+            rows = opened.rows(next(batches))
         except UnicodeDecodeError as err:  # pyarrow keeps bytes unchecked until they are read
             raise undecodable_text(
                 err, opened.source, opened.row_names(index), opened.files
             ) from None
-        record, reason = opened.convert(raw, index)
-        if record is None:
-            report.drop(reason, opened.row_names(index))
-            continue
-        records.append(record)
+        for raw in rows:
+            record, reason = opened.convert(raw, index)
+            if record is None:
+                report.drop(reason, opened.row_names(index))
+            else:
+                records.append(record)
+            index += 1
     report.kept = len(records)
     return records, report
 
@@ -687,6 +697,11 @@ def _margin_problem(value: Any) -> str | None:
     """What kind of bad margin `value` is, or None for a finite number."""
     if value is None:
         return "missing"
+    if isinstance(value, str):  # a CSV file read as text (`sources`): the number's text
+        try:
+            value = float(value)
+        except ValueError:
+            return "not a number"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return "not a number"
     if not math.isfinite(value):

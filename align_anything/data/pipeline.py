@@ -9,10 +9,12 @@ run do not change with this path):
    checked against the task's, all before any row is converted;
 2. each source's rows converted to records (JSON text in an Arrow column; media checked and
    their placeholders written in), dropped rows counted with their row numbers;
-3. a mixture (several sources) takes each source's rows, a row count or a weighted share,
-   seeded by `train.seed`;
-4. the held-out split (`formats.split_records`' seeded choice, or the eval sources), then
-   `data.max_train_samples` / `max_eval_samples`: before any tokenisation;
+3. the held-out split: the eval sources, or `formats.split_records`' seeded choice from each
+   source's own rows, before any mixing (a mixture that repeats rows cannot put one row on both
+   sides);
+4. a mixture (several sources) takes each source's training rows, all of them, a row count or a
+   weighted share, seeded by `train.seed`; then `data.max_train_samples` / `max_eval_samples`:
+   before any tokenisation;
 5. KTO's preference pairs split into unpaired rows (`formats.unpair`'s order);
 6. the encoding (`encode_batch`: `encode.encode_record`, or `prompts.encode_prompt` for online
    RL's prompts), dropped rows counted with their row numbers.
@@ -165,13 +167,25 @@ def drop_report(source: str, total: int, drops: Any, labels: Any, *, fmt: str = 
 # ----------------------------------------------------------------- stage 2: records
 
 
+def _features(**columns: str) -> Any:
+    """`datasets.Features` of plain value columns, e.g. `_features(record="string")`."""
+    import datasets
+
+    return datasets.Features({name: datasets.Value(dtype) for name, dtype in columns.items()})
+
+
+# The columns `_convert_batch` writes: the record as JSON (None: dropped), its row label, the
+# drop reason and the media problem (None: none), whether it has media.
+RECORD_COLUMNS = {"record": "string", SOURCE_ROW: "string", "_drop": "string",
+                  "_problem": "string", "_media": "bool"}  # fmt: skip
+
+
 def _convert_batch(batch: dict[str, list], indices: list[int], *, opened: OpenedSource,
                    media: Any, base_dir: Path | None) -> dict[str, list]:  # fmt: skip
     out: dict[str, list] = {"record": [], SOURCE_ROW: [], "_drop": [], "_problem": [],
                             "_media": []}  # fmt: skip
-    columns = list(batch)
-    for k, index in enumerate(indices):
-        record, reason = opened.convert({c: batch[c][k] for c in columns}, index)
+    for raw, index in zip(opened.rows(batch), indices, strict=True):
+        record, reason = opened.convert(raw, index)
         label = opened.row_names(index)
         problem, has_media = None, False
         if record is not None:
@@ -189,16 +203,22 @@ def _convert_batch(batch: dict[str, list], indices: list[int], *, opened: Opened
     return out
 
 
-def _map(dataset: Any, function: Any, *, work: Path, name: str, num_proc: int,
+def _map(dataset: Any, function: Any, *, features: Any, work: Path, name: str, num_proc: int,
          opened: OpenedSource | None = None, **kwargs: Any) -> Any:  # fmt: skip
     """`dataset.map(function, batched=True)`, its files under `work` (never the `datasets`
     cache: the build folder is removed or published as a whole), no fingerprint hashing of the
-    function (the cache key already says what the rows depend on)."""
+    function (the cache key already says what the rows depend on).
+
+    `features` types every column `function` writes. Without it `datasets` takes a column's type
+    from the first writer batch (1,000 rows), and a nullable column (a drop reason, a media
+    problem) that is None throughout that batch becomes type null: `datasets` 5 then refuses the
+    first real value further on, so a file whose first bad row comes after row 1,000 crashed."""
     try:
         return dataset.map(
             function, batched=True, num_proc=_processes(len(dataset), num_proc),
             cache_file_name=str(work / f"{name}.arrow"), load_from_cache_file=False,
-            new_fingerprint=name, remove_columns=dataset.column_names, **kwargs,
+            new_fingerprint=name, remove_columns=dataset.column_names, features=features,
+            **kwargs,
         )  # fmt: skip
     except Exception as exc:
         cause: BaseException | None = exc
@@ -218,7 +238,8 @@ def read_records(opened: OpenedSource, *, media: Any, model_name: str, work: Pat
 
     base_dir = media_base_dir(opened.path) if media is not None else None
     converted = _map(
-        opened.dataset, _convert_batch, work=work, name=name, with_indices=True, opened=opened,
+        opened.dataset, _convert_batch, features=_features(**RECORD_COLUMNS), work=work,
+        name=name, with_indices=True, opened=opened,
         num_proc=1 if media is not None else num_proc,
         fn_kwargs={"opened": dataclasses.replace(opened, dataset=None), "media": media,
                    "base_dir": base_dir},
@@ -277,11 +298,13 @@ def mixture_rows(sources: Sequence[Source], sizes: Sequence[int], *, seed: int) 
     return chosen
 
 
-def _mixture_lines(split: str, sources: Sequence[Source], taken: Sequence[int]) -> list[str]:
+def _mixture_lines(split: str, sources: Sequence[Source], taken: Sequence[int],
+                   sizes: Sequence[int]) -> list[str]:  # fmt: skip
     total = max(sum(taken), 1)
     lines = [f"{split} mixture of {len(sources)} sources, {sum(taken)} rows:"]
-    for source, n in zip(sources, taken, strict=True):
-        lines.append(f"  {n:>8} rows ({100 * n / total:5.1f}%)  {source.describe()}")
+    for source, n, size in zip(sources, taken, sizes, strict=True):
+        repeats = f"; its {size} rows repeated, {n / size:.2f} times each" if n > size else ""
+        lines.append(f"  {n:>8} rows ({100 * n / total:5.1f}%)  {source.describe()}{repeats}")
     return lines
 
 
@@ -309,27 +332,65 @@ def naming_source(split: str, index: int, count: int) -> Iterator[None]:
         raise type(err)(f"{split}[{index}] {err}") from None
 
 
-def _records_of(sources: Sequence[Source], opened: Sequence[OpenedSource], *, spec: Spec,
-                split: str, media: Any, model_name: str, work: Path,
-                num_proc: int) -> tuple[Any, list[DataReport], list[str]]:  # fmt: skip
-    """The mixed records of `sources` (one dataset), each source's report, the mixture's lines."""
+def _source_key(source: Source) -> tuple:
+    """What makes two entries of a mixture the same rows: path, format and columns."""
+    return source.path, source.format, tuple(sorted(source.columns.items()))
+
+
+def _read_sources(sources: Sequence[Source], opened: Sequence[OpenedSource], *, split: str,
+                  media: Any, model_name: str, work: Path,
+                  num_proc: int) -> tuple[list[Any], list[DataReport]]:  # fmt: skip
+    """Each entry's kept records (an entry listed twice is read once and shares the dataset)
+    and the report of each distinct source."""
+    parts, reports, read = [], [], {}
+    for k, (source, one) in enumerate(zip(sources, opened, strict=True)):
+        key = _source_key(source)
+        if key not in read:
+            read[key], report = read_records(
+                one, media=media, model_name=model_name, work=work, name=f"{split}-{k}-records",
+                num_proc=num_proc,
+            )  # fmt: skip
+            reports.append(report)
+        parts.append(read[key])
+    return parts, reports
+
+
+def _mix(sources: Sequence[Source], parts: Sequence[Any], *, seed: int,
+         split: str) -> tuple[Any, list[str]]:  # fmt: skip
+    """The mixture of each entry's records `parts` by the entries' shares (one dataset), and
+    the summary's lines about it (none for one source taken whole)."""
     import datasets
 
-    parts, reports = [], []
-    for k, one in enumerate(opened):
-        records, report = read_records(
-            one, media=media, model_name=model_name, work=work, name=f"{split}-{k}-records",
-            num_proc=num_proc,
-        )  # fmt: skip
-        parts.append(records)
-        reports.append(report)
     if len(parts) == 1 and sources[0].weight is None and sources[0].rows is None:
-        return parts[0], reports, []
-    chosen = mixture_rows(sources, [len(p) for p in parts], seed=spec.seed)
+        return parts[0], []
+    sizes = [len(p) for p in parts]
+    chosen = mixture_rows(sources, sizes, seed=seed)
     mixed = datasets.concatenate_datasets(
         [part.select(rows, keep_in_memory=True) for part, rows in zip(parts, chosen, strict=True)]
     )
-    return mixed, reports, _mixture_lines(split, sources, [len(rows) for rows in chosen])
+    return mixed, _mixture_lines(split, sources, [len(rows) for rows in chosen], sizes)
+
+
+def _split_each(sources: Sequence[Source], parts: Sequence[Any], *, eval_fraction: float,
+                seed: int) -> tuple[list[Any], Any]:  # fmt: skip
+    """Hold out `eval_fraction` of each source's own records (`formats.split_records`' seeded
+    choice), before any mixing: a mixture that repeats rows would otherwise put copies of one
+    row on both sides. An entry listed twice is split once. Returns each entry's training
+    records and the held-out records of every distinct source (each row once)."""
+    import datasets
+
+    splits: dict[tuple, tuple[Any, Any]] = {}
+    for source, part in zip(sources, parts, strict=True):
+        key = _source_key(source)
+        if key not in splits:
+            train_idx, eval_idx = split_records(
+                range(len(part)), eval_fraction=eval_fraction, seed=seed
+            )
+            splits[key] = (part.select(train_idx, keep_in_memory=True),
+                           part.select(eval_idx, keep_in_memory=True))  # fmt: skip
+    held_out = [held for _, held in splits.values()]
+    held = held_out[0] if len(held_out) == 1 else datasets.concatenate_datasets(held_out)
+    return [splits[_source_key(s)][0] for s in sources], held
 
 
 # ----------------------------------------------------------------- stages 5-6: encoding
@@ -355,7 +416,10 @@ def _unpair_batch(batch: dict[str, list]) -> dict[str, list]:
 def unpair_records(records: Any, *, work: Path, name: str) -> Any:
     """`formats.unpair` on a records dataset: unpaired records first, then every pair's chosen
     completion as a desirable row, then every rejected one, each group in the given order."""
-    expanded = _map(records, _unpair_batch, work=work, name=name, num_proc=1)
+    expanded = _map(
+        records, _unpair_batch, work=work, name=name, num_proc=1,
+        features=_features(record="string", **{SOURCE_ROW: "string"}, _group="int8"),
+    )  # fmt: skip
     group = expanded.data.column("_group").to_numpy()
     order = np.argsort(group, kind="stable")
     return expanded.select(order, keep_in_memory=True).select_columns(["record", SOURCE_ROW])
@@ -463,21 +527,23 @@ def build(spec: Spec, *, tokenizer: Any, media: Any, model_name: str, work: Path
             tokenizer, spec.encoding.max_prompt_length, spec.encoding.prompt_truncation
         )
     opened_train, opened_eval = open_all(spec)
-    common = {"spec": spec, "media": media, "model_name": model_name, "work": work,
-              "num_proc": num_proc}  # fmt: skip
-    records, reports, mixture = _records_of(spec.train, opened_train, split="train", **common)
+    common = {"media": media, "model_name": model_name, "work": work, "num_proc": num_proc}
+    parts, reports = _read_sources(spec.train, opened_train, split="train", **common)
+    eval_mixture = []
     if spec.eval:
-        held_out, _, eval_mixture = _records_of(spec.eval, opened_eval, split="eval", **common)
-        train = records
-        mixture += eval_mixture
+        eval_parts, _ = _read_sources(spec.eval, opened_eval, split="eval", **common)
+        held_out, eval_mixture = _mix(spec.eval, eval_parts, seed=spec.seed, split="eval")
     elif spec.eval_fraction > 0:
-        train_idx, eval_idx = split_records(
-            range(len(records)), eval_fraction=spec.eval_fraction, seed=spec.seed
+        parts, held_out = _split_each(
+            spec.train, parts, eval_fraction=spec.eval_fraction, seed=spec.seed
         )
-        train = records.select(train_idx, keep_in_memory=True)
-        held_out = records.select(eval_idx, keep_in_memory=True)
     else:
-        train, held_out = records, records.select([], keep_in_memory=True)
+        held_out = parts[0].select([], keep_in_memory=True)
+    train, mixture = _mix(spec.train, parts, seed=spec.seed, split="train")
+    if mixture and not spec.eval and spec.eval_fraction > 0:
+        share = f"data.eval_fraction={spec.eval_fraction:g} of each source's own rows"
+        mixture.append(f"held out before mixing: {len(held_out)} rows ({share})")
+    mixture += eval_mixture
     if spec.max_train is not None and len(train) > spec.max_train:
         train = train.select(range(spec.max_train), keep_in_memory=True)
     if spec.max_eval is not None and len(held_out) > spec.max_eval:

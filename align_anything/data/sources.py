@@ -10,7 +10,7 @@ import gzip
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,12 @@ def _is_no_rows_error(exc: BaseException) -> bool:
 
 
 def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what: str):
+    files = [Path(f) for names in data_files.values() for f in names]
+    if builder == "json" and not any(_is_json_array(f) for f in files):
+        dataset = _read_json_lines(files, split)
+        if len(dataset) == 0:
+            raise DataError(f"{what} is empty: it holds no data rows")
+        return dataset
     import datasets
 
     # datasets logs an ERROR line of its own for an unreadable JSON/parquet file before raising; the
@@ -69,11 +75,23 @@ def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what
     level = builder_logger.level
     builder_logger.setLevel(logging.CRITICAL)
     try:
-        dataset = datasets.load_dataset(builder, data_files=data_files, split=split)
+        try:
+            dataset = datasets.load_dataset(builder, data_files=data_files, split=split)
+        except Exception as exc:
+            if builder != "csv" or not _is_type_error(exc):
+                raise
+            # `datasets` guesses a CSV column's type per 10,000 rows (pandas' guess) and casts
+            # later chunks to the first: a column of 0/1 with "maybe" on row 15,000 fails the
+            # file. CSV cells are text: read them as text, so that row is one row's drop.
+            features = datasets.Features(
+                {name: datasets.Value("string") for name in _csv_header(files[0])}
+            )
+            dataset = datasets.load_dataset(
+                builder, data_files=data_files, split=split, features=features
+            )
     except Exception as exc:
         if _is_no_rows_error(exc):
             raise DataError(f"{what} is empty: it holds no data rows") from exc
-        files = [Path(f) for names in data_files.values() for f in names]
         located = _first_bad_line(files, builder)
         if located is not None:
             raise DataError(_bad_line_message(what, files, located)) from exc
@@ -87,6 +105,131 @@ def _read_files(builder: str, data_files: dict[str, list[str]], split: str, what
     if len(dataset) == 0:
         raise DataError(f"{what} is empty: it holds no data rows")
     return dataset
+
+
+def _is_type_error(exc: BaseException) -> bool:
+    """Whether `datasets` failed on a value of another type than its column's."""
+    import pyarrow as pa
+    from datasets.table import CastError
+
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, (pa.ArrowInvalid, pa.ArrowTypeError, CastError, TypeError)):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _csv_header(path: Path) -> list[str]:
+    import csv
+
+    with open(path, newline="", encoding="utf-8-sig") as handle:
+        return next(csv.reader(handle), [])
+
+
+# ----------------------------------------------------------------- JSON lines, one row at a time
+
+# A JSON-lines file is read line by line here, not by `datasets`' JSON builder: the builder
+# infers each column's type from the first 10 MB of the file and casts later chunks to it, so a
+# row further on whose value has another type (a number where text was) is not one bad row but a
+# bad chunk. Measured with datasets 5.2 on 20,000 HH pairs: `"chosen": 5` on line 15,000 made
+# the builder JSON-encode the column for the rest of the file, and 5,744 good rows were dropped
+# as "transcript without an Assistant turn" (with the `preference` format they would have been
+# trained on, quotes and escapes included); a column first seen after 10 MB failed the whole
+# load. Here every line is parsed on its own, its text kept in one string column and parsed
+# again by whoever reads the row (`row_dicts`), so a row's values are exactly its JSON and a bad
+# value is that row's drop reason in the report.
+JSON_LINE = "_json_line"  # the line's text (a JSON object)
+JSON_KEYS = "_json_keys"  # its keys, in order: the file's columns without parsing it again
+
+
+def _is_json_array(path: Path) -> bool:
+    """Whether a .json file holds one JSON array (read whole by `datasets`, as one chunk)."""
+    try:
+        with _open_binary(path) as handle:
+            head = handle.read(4096)
+    except OSError:  # e.g. a damaged .gz: `datasets`' own error says so
+        return True
+    return head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"[")
+
+
+def _json_line_rows(names: list[str], stamps: list[tuple[int, int]]) -> Iterator[dict[str, Any]]:
+    """The rows of JSON-lines files for `datasets.Dataset.from_generator` (`stamps`, each file's
+    size and modification time, are only there to key `datasets`' cache of the result); the
+    first bad line is a DataError naming it, as `_first_bad_line_in` would."""
+    del stamps
+    for name in names:
+        path = Path(name)
+        with _open_binary(path) as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = line.decode("utf-8-sig" if number == 1 else "utf-8")
+                    value = json.loads(text)
+                except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+                    value = None
+                if not isinstance(value, dict):
+                    raise DataError(_bad_line_message(f"data {path}", [path], _located(path)))
+                yield {JSON_LINE: text, JSON_KEYS: list(value)}
+
+
+def _located(path: Path) -> str:
+    located = _first_bad_line([path], "json")
+    return located if located is not None else f"{path} has a line that is not a JSON object"
+
+
+def _read_json_lines(files: Sequence[Path], split: str) -> Any:
+    """The rows of JSON-lines `files` (columns `JSON_LINE`, `JSON_KEYS`), in `datasets`' cache
+    like its builder's output; `split` may be sliced ("train[:100]")."""
+    import datasets
+
+    features = datasets.Features(
+        {JSON_LINE: datasets.Value("string"), JSON_KEYS: datasets.List(datasets.Value("string"))}
+    )
+    stamps = [(f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    try:
+        dataset = datasets.Dataset.from_generator(
+            _json_line_rows, features=features,
+            gen_kwargs={"names": [str(f.resolve()) for f in files], "stamps": stamps},
+        )  # fmt: skip
+    except Exception as exc:
+        cause: BaseException | None = exc
+        while cause is not None and not isinstance(cause, DataError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise cause from None
+        if _is_no_rows_error(exc):
+            return datasets.Dataset.from_dict({k: [] for k in features}, features=features)
+        raise
+    if split != _split_base(split):
+        ranges = datasets.ReadInstruction.from_spec(split).to_absolute(
+            {_split_base(split): len(dataset)}
+        )
+        indices = [i for r in ranges for i in range(r.from_, r.to)]
+        dataset = dataset.select(indices)
+    return dataset
+
+
+def columns_of(dataset: Any) -> list[str]:
+    """The columns of a dataset `load_dataset` returned: for JSON lines, every key any row has,
+    in the order they first appear."""
+    if JSON_KEYS not in dataset.column_names:
+        return list(dataset.column_names)
+    import pyarrow.compute as pc
+
+    keys = dataset.data.column(JSON_KEYS)
+    return pc.unique(pc.list_flatten(keys)).to_pylist() if len(keys) else []
+
+
+def row_dicts(batch: Mapping[str, list], columns: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of a batch of a `load_dataset` dataset as dicts over `columns` (`columns_of`),
+    a column a row lacks as None (as `datasets` gives it)."""
+    if JSON_LINE in batch:
+        parsed = [json.loads(text) for text in batch[JSON_LINE]]
+        return [{c: row.get(c) for c in columns} for row in parsed]
+    size = len(next(iter(batch.values()))) if batch else 0
+    return [{c: batch[c][k] for c in columns} for k in range(size)]
 
 
 # ----------------------------------------------------------------- bad lines (the error path only)

@@ -582,7 +582,9 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         )  # fmt: skip
         run.summary.append(model.describe())
     rewards = Rewards(
-        reward_fns.load_reward_functions(cfg.reward.functions), cfg.reward.weight_list(), model,
+        reward_fns.load_reward_functions(cfg.reward.functions),
+        cfg.reward.weight_list(),
+        model,
         timeout_s=cfg.reward.timeout_seconds,
     )
     frozen = None

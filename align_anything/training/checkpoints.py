@@ -349,7 +349,7 @@ def _disk_full(err: BaseException, folder: Path) -> bool:
 
 
 def _megabytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob('*') if p.is_file()) >> 20
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) >> 20
 
 
 def load(folder: Path, *, engines: dict[str, Any], rank: int) -> int:

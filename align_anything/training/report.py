@@ -5,7 +5,7 @@ given; nothing here reads or changes a run."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ class StartupFacts:
     output_dir: str
     resumed: tuple[str, int] | None = None  # (checkpoint, step)
     universal: str | None = None  # resumed through a universal checkpoint: the change
-    versions: str = field(default="")
+    versions: str = ""  # torch, deepspeed, transformers, datasets: what a bug report needs
 
 
 def startup_summary(f: StartupFacts) -> str:
@@ -68,6 +68,7 @@ def startup_summary(f: StartupFacts) -> str:
         + (f", offload {' + '.join(f.offload)}" if f.offload else "")
         + f" ({f.preset_file})",
         f"  precision       {f.precision}",
+        *([f"  versions        {f.versions}"] if f.versions else []),
         f"  attention       {f.attention}",
         f"  ds config       {f.ds_config}",
         f"  memory plan     {f.memory_plan}",

@@ -31,7 +31,7 @@ import torch
 from align_anything import atomic, forward, plan
 from align_anything.backend import distributed as comm
 from align_anything.backend import ds_config as dsc
-from align_anything.backend import memory, universal
+from align_anything.backend import memory, universal, versions
 from align_anything.backend.engine import Engine
 from align_anything.backend.zero_init import model_init_context
 from align_anything.config import AUTO_PRESET, RunConfig
@@ -394,7 +394,7 @@ def startup_facts(run: Run, *, task: str) -> report.StartupFacts:
         logging_notes=list(run.logger.notes) if run.logger is not None else [],
         output_dir=str(run.output.path),
         resumed=(str(run.output.resume_dir), run.state.step) if run.output.resume_dir else None,
-        universal=ds_plan.universal,
+        universal=ds_plan.universal, versions=versions.library_versions(),
     )  # fmt: skip
 
 
