@@ -8,6 +8,8 @@
   token is predicted.
 - `shared_prefix_logps`: the same for the shared-prefix layouts of `data.layouts`.
 - `sequence_scores`: a reward model's score per sequence.
+- `completion_token_logps` (with `…_and_entropy`), `completion_token_values`: online RL's
+  per-token log-probs, entropy and critic values of the completion tokens, left-aligned [B, C].
 
 Label convention (shared with the data pipeline): `labels` has the shape of `input_ids`,
 positions that are not scored (prompt, padding, media placeholders) hold `IGNORE_INDEX` (-100),
@@ -26,6 +28,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from align_anything.data.encode import IGNORE_INDEX
 from align_anything.data.multimodal import media_inputs
+from align_anything.losses.ppo import token_entropy
 from align_anything.models import lora
 
 # Sequence positions per chunk in `token_logps`. Peak extra memory is about
@@ -254,6 +257,32 @@ def sequence_scores(model: Any, batch: Mapping[str, Any]) -> Tensor:
     return output.logits.squeeze(-1).float()[: batch.get("real_rows", output.logits.shape[0])]
 
 
+def _plain_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "input_ids": batch["input_ids"],
+        "attention_mask": batch["attention_mask"],
+        **media_inputs(batch),
+    }
+
+
+def _predicting(labels: Tensor) -> Tensor:
+    """[B, T] bool: position t predicts a completion token (t + 1 is scored). Row-major, these
+    are each row's completion tokens in order, which `_left_aligned` relies on."""
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return keep
+
+
+def _left_aligned(flat: Tensor, keep: Tensor) -> Tensor:
+    """[B, C] from the values at `keep`'s positions in row-major order: row b's values first,
+    0 past its end; C is the longest row's count."""
+    lengths = keep.sum(dim=1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    slots = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+    out = torch.zeros(keep.shape[0], width, dtype=flat.dtype, device=flat.device)
+    return out.masked_scatter(slots, flat)
+
+
 def completion_token_logps(
     model: Any, batch: dict[str, torch.Tensor], *, completion_only: bool
 ) -> torch.Tensor:
@@ -264,24 +293,58 @@ def completion_token_logps(
     are contiguous; a multimodal batch's dummy row (see `MediaSupport.attach`) is cut off."""
     labels = batch["labels"]
     real = batch.get("real_rows", labels.shape[0])
-    inputs = {
-        "input_ids": batch["input_ids"],
-        "attention_mask": batch["attention_mask"],
-        **media_inputs(batch),
-    }
-    # Position t is kept when it predicts a scored token t+1 (row-major: each row's completion
-    # tokens in order, so they land left-aligned in the [B, C] result below).
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    inputs = _plain_inputs(batch)
+    keep = _predicting(labels)
     if completion_only:
         logits = model(**inputs, logits_to_keep=keep).logits
         flat = selected_token_logps(logits, labels[:, 1:][keep[:, :-1]])
     else:
         logits = model(**inputs).logits
         flat = token_logps(logits, labels)[keep[:, :-1]]
-    lengths = keep.sum(dim=1)
-    width = int(lengths.max()) if lengths.numel() else 0
-    slots = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-    out = torch.zeros(labels.shape[0], width, dtype=flat.dtype, device=flat.device)
-    out = out.masked_scatter(slots, flat)
-    return out[:real]
+    return _left_aligned(flat, keep)[:real]
+
+
+def completion_token_logps_and_entropy(
+    model: Any, batch: dict[str, torch.Tensor], *, completion_only: bool
+) -> tuple[Tensor, Tensor]:
+    """`completion_token_logps` and, from the same logits, the policy's entropy at each of
+    those positions (`losses.token_entropy`, without gradient: for logging): ([B, C], [B, C]).
+    Without `completion_only` the logits of the completion positions are copied out of the
+    full [B, T, V] ones first (an extra [tokens, V] tensor)."""
+    labels = batch["labels"]
+    real = batch.get("real_rows", labels.shape[0])
+    inputs = _plain_inputs(batch)
+    keep = _predicting(labels)
+    if completion_only:
+        logits = model(**inputs, logits_to_keep=keep).logits
+    else:
+        logits = model(**inputs).logits[:, :-1][keep[:, :-1]]
+    flat = selected_token_logps(logits, labels[:, 1:][keep[:, :-1]])
+    with torch.no_grad():
+        entropy = token_entropy(logits)
+    return _left_aligned(flat, keep)[:real], _left_aligned(entropy, keep)[:real]
+
+
+def completion_token_values(model: Any, batch: Mapping[str, Any]) -> Tensor:
+    """A critic's values of each sequence's completion tokens, aligned with
+    `completion_token_logps`: [B, C] fp32, entry (b, j) = V(prompt + completion tokens < j),
+    the value of the state in which completion token j is chosen (read at the position that
+    predicts it, as OpenRLHF's and TRL's critics read it), 0 past a row's end. `model` returns
+    [B, T] values (`models.value.ValueModel`, or an engine around one); the batch is the plain
+    one `completion_token_logps` takes."""
+    labels = batch["labels"]
+    real = batch.get("real_rows", labels.shape[0])
+    keep = _predicting(labels)
+    values = model(**_plain_inputs(batch))
+    return _left_aligned(values[keep].float(), keep)[:real]
+
+
+def shared_prefix_token_values(model: Any, batch: Mapping[str, Tensor]) -> Tensor:
+    """A critic's values at every scored position of a `collate_shared_prefix` batch, flat, in
+    the batch's `score_targets` order (as `shared_prefix_token_logps`), fp32."""
+    values = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["shared_prefix_mask"],
+        position_ids=batch["position_ids"],
+    )
+    return values.reshape(-1)[batch["score_positions"]].float()
