@@ -283,6 +283,33 @@ def _left_aligned(flat: Tensor, keep: Tensor) -> Tensor:
     return out.masked_scatter(slots, flat)
 
 
+def _completion_pass(
+    model: Any, batch: Mapping[str, Any], *, completion_only: bool, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """One forward of a plain online-RL batch: per-token completion log-probs [B, C] and, with
+    `entropy`, the entropy at the same positions [B, C] (without gradient)."""
+    labels = batch["labels"]
+    real = batch.get("real_rows", labels.shape[0])
+    inputs = _plain_inputs(batch)
+    keep = _predicting(labels)
+    targets = labels[:, 1:][keep[:, :-1]]
+    if completion_only:
+        logits = model(**inputs, logits_to_keep=keep).logits
+        flat = selected_token_logps(logits, targets)
+    else:
+        logits = model(**inputs).logits
+        if entropy:  # the entropy needs the completion positions' logits on their own
+            logits = logits[:, :-1][keep[:, :-1]]
+            flat = selected_token_logps(logits, targets)
+        else:
+            flat = token_logps(logits, labels)[keep[:, :-1]]
+    if not entropy:
+        return _left_aligned(flat, keep)[:real], None
+    with torch.no_grad():
+        entropies = token_entropy(logits)
+    return _left_aligned(flat, keep)[:real], _left_aligned(entropies, keep)[:real]
+
+
 def completion_token_logps(
     model: Any, batch: dict[str, torch.Tensor], *, completion_only: bool
 ) -> torch.Tensor:
@@ -291,17 +318,7 @@ def completion_token_logps(
     past its end). Online RL's ratio, KL and loss are per token. The batch is a plain one
     (`labels` = the completion ids after the prompt, IGNORE_INDEX elsewhere) whose completions
     are contiguous; a multimodal batch's dummy row (see `MediaSupport.attach`) is cut off."""
-    labels = batch["labels"]
-    real = batch.get("real_rows", labels.shape[0])
-    inputs = _plain_inputs(batch)
-    keep = _predicting(labels)
-    if completion_only:
-        logits = model(**inputs, logits_to_keep=keep).logits
-        flat = selected_token_logps(logits, labels[:, 1:][keep[:, :-1]])
-    else:
-        logits = model(**inputs).logits
-        flat = token_logps(logits, labels)[keep[:, :-1]]
-    return _left_aligned(flat, keep)[:real]
+    return _completion_pass(model, batch, completion_only=completion_only, entropy=False)[0]
 
 
 def completion_token_logps_and_entropy(
@@ -311,18 +328,9 @@ def completion_token_logps_and_entropy(
     those positions (`losses.token_entropy`, without gradient: for logging): ([B, C], [B, C]).
     Without `completion_only` the logits of the completion positions are copied out of the
     full [B, T, V] ones first (an extra [tokens, V] tensor)."""
-    labels = batch["labels"]
-    real = batch.get("real_rows", labels.shape[0])
-    inputs = _plain_inputs(batch)
-    keep = _predicting(labels)
-    if completion_only:
-        logits = model(**inputs, logits_to_keep=keep).logits
-    else:
-        logits = model(**inputs).logits[:, :-1][keep[:, :-1]]
-    flat = selected_token_logps(logits, labels[:, 1:][keep[:, :-1]])
-    with torch.no_grad():
-        entropy = token_entropy(logits)
-    return _left_aligned(flat, keep)[:real], _left_aligned(entropy, keep)[:real]
+    logps, entropies = _completion_pass(model, batch, completion_only=completion_only, entropy=True)
+    assert entropies is not None
+    return logps, entropies
 
 
 def completion_token_values(model: Any, batch: Mapping[str, Any]) -> Tensor:

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from align_anything.losses.rl import _clipped_objective
+from align_anything.losses.rl import _clipped_objective, token_advantages
 
 # The advantage estimators of `task=ppo` (`ppo.advantage_estimator`; verl's names).
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = (
@@ -306,15 +306,7 @@ def ppo_policy_loss(
         old_logps: [B, T] the same under the rollout's policy (without gradient).
         advantages: [B, T] whitened advantages (or [B], one per sequence).
     """
-    if logps.shape != old_logps.shape or logps.dim() != 2:
-        raise ValueError(
-            f"logps and old_logps must share one [B, T] shape, got {tuple(logps.shape)} and "
-            f"{tuple(old_logps.shape)}"
-        )
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    if advantages.shape[0] != logps.shape[0]:
-        raise ValueError(f"{advantages.shape[0]} rows of advantages for {logps.shape[0]} rows")
+    advantages = token_advantages(logps, old_logps, advantages)
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     log_ratio = logps - old_logps
