@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from align_anything.data.builtin import ANSWER_RE, has_preferred_property
+from align_anything.data.formats import describe_rows
 from align_anything.errors import ConfigError, UserError, did_you_mean
 
 RewardFunction = Callable[..., Sequence[float | None]]
@@ -45,11 +46,23 @@ RewardFunction = Callable[..., Sequence[float | None]]
 _SPEC_RE = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 # Completions are shown up to this many characters in error messages.
 _SHOWN_CHARS = 300
+# Data rows named in a message about many rows (the rest are counted).
+_SHOWN_ROWS = 8
 
 
 class RewardError(UserError):
     """A reward function failed on a batch: raised, returned NaN/inf, the wrong count or a value
     that is not a number. The message names the function, the data row and the completion."""
+
+
+class RowsFailed(Exception):
+    """Raised by a reward function that knows which of its rows failed (one request of a remote
+    reward: `rewards_remote`): `score_completions` names their data rows with the message, and
+    does not call the function again row by row to find the failing one."""
+
+    def __init__(self, message: str, indices: Sequence[int]) -> None:
+        super().__init__(message)
+        self.indices = list(indices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -175,6 +188,17 @@ def _where(name: str, row_ids: Sequence[int | str], completions: Sequence[str], 
     return f"reward function {name!r} on {where} (completion {_shown(completions[index])})"
 
 
+def _rows_named(row_ids: Sequence[int | str], indices: Sequence[int]) -> str:
+    """The distinct data rows of `indices` ("lines 3, 4"; G completions share their prompt's
+    row), at most _SHOWN_ROWS of them, and how many completions."""
+    labels = [row if isinstance(row, str) else f"data row {row}" for row in row_ids]
+    distinct = list(dict.fromkeys(labels[i] for i in indices))
+    shown = describe_rows(distinct[:_SHOWN_ROWS])
+    more = f" and {len(distinct) - _SHOWN_ROWS} more" if len(distinct) > _SHOWN_ROWS else ""
+    count = len(indices)
+    return f"{shown}{more} ({count} completion{'s' if count != 1 else ''})"
+
+
 def _call(
     function: RewardFunction,
     prompts: Sequence,
@@ -221,6 +245,10 @@ def _rewards_of(
     """One function's rewards as floats (NaN for None), or a RewardError."""
     try:
         returned = _call(function, prompts, completions, fields)
+    except RowsFailed as err:
+        raise RewardError(
+            f"reward {name!r} on {_rows_named(row_ids, err.indices)}: {err}"
+        ) from None
     except Exception as err:  # noqa: BLE001 (the user's function)
         found = _failing_row(function, prompts, completions, fields)
         index, cause = found if found is not None else (0, err)

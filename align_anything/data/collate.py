@@ -17,9 +17,9 @@ from align_anything.data.encode import IGNORE_INDEX
 from align_anything.errors import DataError
 
 
-def _pad(
-    sequences: Sequence[Sequence[int]], label_sequences: Sequence[Sequence[int]], pad_id: int
-) -> dict[str, Tensor]:
+def pad_right(sequences: Sequence[Sequence[int]], *, pad_id: int) -> dict[str, Tensor]:
+    """Right-pad token id lists into `input_ids` and `attention_mask` ([B, T], T the longest);
+    the mask comes from the lengths (see the module docstring)."""
     if not sequences:
         raise ValueError("cannot collate an empty batch")
     if not isinstance(pad_id, int):
@@ -30,13 +30,22 @@ def _pad(
     width = max(len(s) for s in sequences)
     input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
+    for i, ids in enumerate(sequences):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def _pad(
+    sequences: Sequence[Sequence[int]], label_sequences: Sequence[Sequence[int]], pad_id: int
+) -> dict[str, Tensor]:
+    batch = pad_right(sequences, pad_id=pad_id)
+    labels = torch.full(batch["input_ids"].shape, IGNORE_INDEX, dtype=torch.long)
     for i, (ids, row_labels) in enumerate(zip(sequences, label_sequences, strict=True)):
-        n = len(ids)
-        input_ids[i, :n] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        labels[i, :n] = torch.tensor(row_labels, dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if len(row_labels) != len(ids):
+            raise ValueError(f"row {i}: {len(row_labels)} labels for {len(ids)} ids")
+        labels[i, : len(row_labels)] = torch.tensor(row_labels, dtype=torch.long)
+    return {**batch, "labels": labels}
 
 
 def collate_sft(rows: list[Mapping[str, Any]], *, pad_id: int) -> dict[str, Tensor]:
