@@ -219,11 +219,11 @@ def _zero3_probe(rm: str, out: str) -> dict:
     from align_anything.models.prepare import prepare_for_training
     from align_anything.trainers.checkpoints import write_final
 
-    setup_distributed()
+    world = setup_distributed().world_size
     adam = AdamSettings(1e-4, (0.9, 0.999), 1e-8, 0.0)
     preset, _ = load_preset("z3")
     ds_config, _, _ = resolve_ds_config(
-        preset, world_size=1, hidden_size=64, device="cpu", precision="fp32", micro_batch=2,
+        preset, world_size=world, hidden_size=64, device="cpu", precision="fp32", micro_batch=2,
         grad_accum=1, global_batch="auto", max_grad_norm=1.0, adam=adam, bf16_supported=False,
     )  # fmt: skip
     batch = plain_batch(ROWS)
