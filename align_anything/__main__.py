@@ -18,6 +18,10 @@ COMMANDS = {
         "a checkpoint or LoRA adapter -> a Hugging Face folder",
     ),
     "score": ("align_anything.tools.score", "score prompt/response rows with a reward model"),
+    "serve-reward": (
+        "align_anything.tools.serve_reward",
+        "serve a reward model over HTTP for reward.remote.urls",
+    ),
     "plot": ("align_anything.tools.plot", "metrics.jsonl -> metrics.png"),
     "presets": (
         "align_anything.tools.presets",

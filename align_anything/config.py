@@ -446,14 +446,77 @@ class KTOSection(_AgainstReference):
     )
 
 
+# An environment variable's name (POSIX shells accept these).
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class RemoteRewardSection(_Section):
+    """Reward servers over HTTP (`align_anything.rewards_remote`; `python -m align_anything
+    serve-reward` serves a task=rm model this way)."""
+
+    urls: list[str] = Field(
+        description="Reward servers, each one reward (weighted in reward.weights after the functions, before the reward model), scoring every completion: a POST of JSON lists `prompts`, `completions` and one per data field (an entry per completion), answered with `{rewards: [float or null, ...]}`. []: none. Tokens belong in headers_env, not in the URL.",
+    )
+    timeout_s: float = Field(gt=0, description="Seconds to wait for a server's answer.")
+    retries: int = Field(
+        ge=0,
+        description="Further attempts after a connection error, a timeout or HTTP 408/429/5xx (other failures are not retried).",
+    )
+    backoff_s: float = Field(
+        ge=0, description="Wait before the first retry; each further retry waits twice as long."
+    )
+    max_rows_per_request: int = Field(
+        ge=1,
+        description="Completions per request; a rank's completions go in requests of at most this many.",
+    )
+    headers_env: str | None = Field(
+        description="Name of an environment variable holding a bearer token, or a JSON object of request headers (never shown or logged); null: no headers.",
+    )
+
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _one_or_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        from urllib.parse import urlsplit
+
+        for index, url in enumerate(urls):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(
+                    f"entry {index} is not an http(s) URL such as http://host:8000/score"
+                )
+            if parts.username is not None or parts.password is not None:
+                raise ValueError(
+                    f"entry {index} carries credentials (user:password@), which the saved config "
+                    "would keep: put them in the environment variable reward.remote.headers_env "
+                    "names"
+                )
+        return urls
+
+    @field_validator("headers_env")
+    @classmethod
+    def _env_name(cls, name: str | None) -> str | None:
+        if name is not None and not _ENV_NAME.fullmatch(name):
+            raise ValueError(
+                "not an environment variable name: give the variable's NAME (e.g. RM_TOKEN), "
+                "never the token itself"
+            )
+        return name
+
+
 class RewardSection(_Section):
-    """Online RL: what scores a completion. Functions and a reward model add up, weighted."""
+    """Online RL: what scores a completion. Functions, reward servers and a reward model add up,
+    weighted."""
 
     functions: list[str] = Field(
         description="Reward functions as `module:function` (`align_anything.rewards:arith_exact`); each gets (prompts, completions, **row fields) and returns one float or None (no opinion) per completion.",
     )
     weights: list[float] | None = Field(
-        description="One weight per reward (the functions in order, then the reward model); null: all 1.0. TRL's reward_weights.",
+        description="One weight per reward (the functions in order, then the remote URLs, then the reward model); null: all 1.0. TRL's reward_weights.",
     )
     model: str | None = Field(
         description="A reward model trained by task=rm (e.g. `outputs/rm/final`), run frozen (ZeRO-3: partitioned); it re-tokenises prompt + completion with its own tokenizer and chat template. null: none.",
@@ -462,6 +525,7 @@ class RewardSection(_Section):
         gt=0,
         description="Longest one call of a reward function (one step's completions on a rank) may take; past it the call is interrupted and the run stops with exit status 2, naming the function and the rows.",
     )
+    remote: RemoteRewardSection = Field(description="Reward servers over HTTP.")
 
     @field_validator("functions", mode="before")
     @classmethod
@@ -487,26 +551,34 @@ class RewardSection(_Section):
             )
         return value
 
+    def count(self) -> int:
+        """How many rewards: the functions, the remote URLs and the reward model."""
+        return len(self.functions) + len(self.remote.urls) + (self.model is not None)
+
     @model_validator(mode="after")
     def _one_weight_each(self) -> RewardSection:
-        count = len(self.functions) + (self.model is not None)
+        count = self.count()
         if count == 0:
             raise ValueError(
-                "reward: no reward: list reward.functions (e.g. [align_anything.rewards:arith_exact]) "
-                "or set reward.model to a reward model folder"
+                "reward: no reward: list reward.functions (e.g. [align_anything.rewards:arith_exact]), "
+                "reward.remote.urls or set reward.model to a reward model folder"
             )
         if self.weights is not None and len(self.weights) != count:
+            kinds = [f"{len(self.functions)} function(s)"]
+            if self.remote.urls:
+                kinds.append(f"{len(self.remote.urls)} remote URL(s)")
+            if self.model:
+                kinds.append("a reward model")
             raise ValueError(
                 f"reward.weights has {len(self.weights)} entries but there are {count} rewards "
-                f"({len(self.functions)} function(s){' and a reward model' if self.model else ''}): "
-                "give one weight per reward, functions first, or null for all 1.0"
+                f"({' and '.join(kinds)}): give one weight per reward, functions first, then "
+                "remote URLs, then the reward model, or null for all 1.0"
             )
         return self
 
     def weight_list(self) -> list[float]:
-        """One weight per reward: the functions, then the reward model when there is one."""
-        count = len(self.functions) + (self.model is not None)
-        return [1.0] * count if self.weights is None else list(self.weights)
+        """One weight per reward: the functions, the remote URLs, then the reward model."""
+        return [1.0] * self.count() if self.weights is None else list(self.weights)
 
 
 class _OnlineRL(_Section):
@@ -565,6 +637,159 @@ class RLOOSection(_OnlineRL):
     normalize_advantages: bool = Field(
         description="Standardise the leave-one-out advantages over the global batch (TRL's normalize_advantages)."
     )
+
+
+# `ppo.advantage_estimator` values (config sits below losses in the layers, so it keeps its own
+# copy of `losses.ADVANTAGE_ESTIMATORS`; tests/test_ppo_config.py keeps the two equal).
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = (
+    "gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+)  # fmt: skip
+CRITIC_INITS: tuple[str, ...] = ("reward_model", "policy")
+
+
+class PPOSection(_Section):
+    """PPO with a critic (and, by `advantage_estimator`, the critic-free REINFORCE++): each
+    rollout samples completions, scores them, and trains on them for several epochs in
+    mini-batches. The actor's optimizer and schedule are `train.*`'s; the critic has its own."""
+
+    advantage_estimator: Literal["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = (
+        Field(
+            description="gae: PPO with a critic (values per token, GAE); reinforce_plus_plus: no critic, the discounted return normalised over the global batch (OpenRLHF's reinforce); reinforce_plus_plus_baseline: the same after subtracting each prompt's mean score (OpenRLHF's reinforce_baseline; needs num_generations >= 2).",
+        )
+    )
+    num_generations: int = Field(
+        ge=1,
+        description="Completions sampled per prompt (OpenRLHF's n_samples_per_prompt; 1 is usual with a critic). The global batch counts completions; a prompt's completions stay on one rank.",
+    )
+    temperature: float = Field(gt=0.0, description="Sampling temperature of the rollouts.")
+    top_p: float = Field(
+        gt=0.0, le=1.0, description="Nucleus sampling of the rollouts (1: no cut)."
+    )
+    max_completion_length: int = Field(
+        ge=1, description="Token limit of a completion (generation stops there or at EOS)."
+    )
+    mask_truncated_completions: bool = Field(
+        description="Leave completions that hit max_completion_length without EOS out of the actor's and critic's losses (they are still counted and logged).",
+    )
+    num_ppo_epochs: int = Field(
+        ge=1, description="Passes over each rollout (TRL's num_ppo_epochs, OpenRLHF's max_epochs)."
+    )
+    num_mini_batches: int = Field(
+        ge=1,
+        description="A rollout is num_mini_batches global batches; each optimizer step takes one, so a rollout gives num_ppo_epochs x num_mini_batches steps and all but the first are off-policy (TRL's num_mini_batches).",
+    )
+    epsilon: float = Field(
+        ge=0.0,
+        lt=1.0,
+        description="Clip of the probability ratio: 1 - epsilon (TRL's cliprange, OpenRLHF's eps_clip).",
+    )
+    epsilon_high: float | None = Field(
+        ge=0.0, description="Upper clip: 1 + epsilon_high; null: = epsilon."
+    )
+    dual_clip: float | None = Field(
+        gt=1.0,
+        description="Dual-clip PPO's bound c (> 1) on the loss of negative advantages, -c·A (OpenRLHF's dual_clip, verl's clip_ratio_c); null: none.",
+    )
+    value_clip: float | None = Field(
+        gt=0.0,
+        description="Clip of the critic's update around its rollout values, in the clipped value loss (TRL's cliprange_value, OpenRLHF's value_clip); null: plain squared error.",
+    )
+    kl_coef: float = Field(
+        ge=0.0,
+        description="Weight of the per-token KL penalty log pi_old - log pi_ref in the reward (TRL's kl_coef, OpenRLHF's init_kl_coef); 0 loads no reference model.",
+    )
+    reward_clip: float | None = Field(
+        gt=0.0,
+        description="Clip each completion's score to [-reward_clip, reward_clip] before it enters the reward (OpenRLHF's reward_clip_range); null: none.",
+    )
+    gamma: float = Field(
+        ge=0.0, le=1.0, description="Discount per token (GAE and REINFORCE++ returns)."
+    )
+    lam: float = Field(ge=0.0, le=1.0, description="GAE's lambda (TRL's lam, OpenRLHF's lambd).")
+    critic_init: Literal["reward_model", "policy"] = Field(
+        description="reward_model: the critic starts as the reward model (backbone and score head); policy: the policy's backbone with a new value head.",
+    )
+    critic_model: str | None = Field(
+        description="The folder the critic starts from; null: reward.model for critic_init=reward_model, model.name_or_path for critic_init=policy.",
+    )
+    critic_learning_rate: float = Field(
+        gt=0, description="The critic's peak learning rate (AdamW)."
+    )
+    critic_lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        description="The critic's learning-rate schedule after warm-up."
+    )
+    critic_warmup_ratio: float = Field(
+        ge=0.0, lt=1.0, description="Share of the steps spent warming the critic's rate up from 0."
+    )
+    critic_warmup_steps: int = Field(
+        ge=0,
+        description="The first N optimizer steps train the critic only (the actor's update is skipped; OpenRLHF's freezing_actor_steps).",
+    )
+    ptx_coef: float = Field(
+        ge=0.0,
+        description="Weight of an SFT loss on ptx_data added to the actor's loss (InstructGPT's PPO-ptx); 0: none.",
+    )
+    ptx_data: str | None = Field(
+        description="Conversations for the ptx loss (a file, folder, built-in or hub name, as data.path takes); null: none.",
+    )
+    eval_samples: int = Field(
+        ge=0,
+        description="Held-out prompts answered greedily before and after training: mean reward (eval/reward) and, for built-in data, the generation check. 0: none.",
+    )
+    generation_batch_size: int = Field(
+        ge=1, description="Sequences generated at once (a rollout runs in chunks of this)."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PPOSection:
+        problems = []
+        critic = self.advantage_estimator == "gae"
+        if self.advantage_estimator == "reinforce_plus_plus_baseline" and self.num_generations < 2:
+            problems.append(
+                "ppo.advantage_estimator=reinforce_plus_plus_baseline subtracts each prompt's mean "
+                f"score, which needs ppo.num_generations >= 2 (got {self.num_generations})"
+            )
+        if not critic and self.critic_model is not None:
+            problems.append(
+                f"ppo.critic_model is set but ppo.advantage_estimator={self.advantage_estimator} "
+                "trains no critic: remove it, or use advantage_estimator=gae"
+            )
+        if not critic and self.critic_warmup_steps:
+            problems.append(
+                f"ppo.critic_warmup_steps={self.critic_warmup_steps} but "
+                f"ppo.advantage_estimator={self.advantage_estimator} trains no critic: set it to 0"
+            )
+        if (self.ptx_coef > 0) != (self.ptx_data is not None):
+            problems.append(
+                "ppo.ptx_coef > 0 needs ppo.ptx_data (conversations for the SFT term), and "
+                f"ppo.ptx_data needs ppo.ptx_coef > 0 (got ptx_coef={self.ptx_coef}, "
+                f"ptx_data={self.ptx_data!r})"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def clip_range(self) -> tuple[float, float]:
+        return self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    def trains_critic(self) -> bool:
+        """Whether the run has a critic (advantage_estimator=gae)."""
+        return self.advantage_estimator == "gae"
+
+    def critic_path(self, *, policy: str, reward_model: str | None) -> str:
+        """The folder the critic starts from (`critic_model`, else by `critic_init`); a
+        ConfigError when critic_init=reward_model names none."""
+        if self.critic_model is not None:
+            return self.critic_model
+        if self.critic_init == "policy":
+            return policy
+        if reward_model is None:
+            raise ConfigError(
+                "ppo.critic_init=reward_model starts the critic from the reward model, but "
+                "reward.model is null: set reward.model (a task=rm final/ folder) or "
+                "ppo.critic_model, or use ppo.critic_init=policy"
+            )
+        return reward_model
 
 
 class RunConfig(_Section):
@@ -815,9 +1040,16 @@ def _format_validation_error(err: ValidationError, raw: dict[str, Any]) -> list[
             continue
         given = _lookup(raw, loc)
         message = item["msg"].removeprefix("Value error, ")
+        if loc[:3] in _UNSHOWN_VALUES:  # it may hold a secret: the message says which entry
+            lines.append(f"{key}: {message}")
+            continue
         lines.append(f"{key}: {message} (given: {given!r})")
     return sorted(set(lines), key=lines.index)
 
+
+# Keys whose given values an error never repeats: a URL may carry credentials, and a token
+# given where its variable's name belongs is a token.
+_UNSHOWN_VALUES = (["reward", "remote", "urls"], ["reward", "remote", "headers_env"])
 
 _UNION_TAG = re.compile(
     r"^(int|str|float|bool|none)$|^(literal|list|dict|tuple|set|function-[a-z]+)\["

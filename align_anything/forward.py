@@ -10,6 +10,8 @@
 - `token_logps` / `selected_token_logps` / `completion_logps`: log p of target tokens from
   logits, chunked over the sequence so the fp32 softmax never exists for the whole batch.
 - `sequence_scores`: a reward model's score per sequence.
+- `completion_token_logps` (with `…_and_entropy`), `completion_token_values`: online RL's
+  per-token log-probs, entropy and critic values of the completion tokens, left-aligned [B, C].
 
 Label convention (shared with the data pipeline): `labels` has the shape of `input_ids`,
 positions that are not scored (prompt, padding, media placeholders) hold `IGNORE_INDEX` (-100),
@@ -27,6 +29,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from align_anything.data.batches import Layout, Packed, Rows, SharedPrefix
 from align_anything.data.encode import IGNORE_INDEX
+from align_anything.losses.ppo import token_entropy
 from align_anything.models import lora
 
 # Sequence positions per chunk in `token_logps`. Peak extra memory is about
@@ -279,28 +282,96 @@ def sequence_scores(model: Any, batch: Rows) -> Tensor:
     return output.logits.squeeze(-1).float()[: batch.num_real]
 
 
+def _plain_inputs(batch: Rows) -> dict[str, Any]:
+    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, **batch.media}
+
+
+def _predicting(labels: Tensor) -> Tensor:
+    """[B, T] bool: position t predicts a completion token (t + 1 is scored). Row-major, these
+    are each row's completion tokens in order, which `_left_aligned` relies on."""
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
+    return keep
+
+
+def _left_aligned(flat: Tensor, keep: Tensor) -> Tensor:
+    """[B, C] from the values at `keep`'s positions in row-major order: row b's values first,
+    0 past its end; C is the longest row's count."""
+    lengths = keep.sum(dim=1)
+    width = int(lengths.max()) if lengths.numel() else 0
+    slots = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+    out = torch.zeros(keep.shape[0], width, dtype=flat.dtype, device=flat.device)
+    return out.masked_scatter(slots, flat)
+
+
+def _completion_pass(
+    model: Any, batch: Rows, *, completion_only: bool, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """One forward of a plain online-RL batch: per-token completion log-probs [B, C] and, with
+    `entropy`, the entropy at the same positions [B, C] (without gradient)."""
+    labels = batch.labels
+    real = batch.num_real
+    inputs = _plain_inputs(batch)
+    keep = _predicting(labels)
+    targets = labels[:, 1:][keep[:, :-1]]
+    if completion_only:
+        logits = model(**inputs, logits_to_keep=keep).logits
+        flat = selected_token_logps(logits, targets)
+    else:
+        logits = model(**inputs).logits
+        if entropy:  # the entropy needs the completion positions' logits on their own
+            logits = logits[:, :-1][keep[:, :-1]]
+            flat = selected_token_logps(logits, targets)
+        else:
+            flat = token_logps(logits, labels)[keep[:, :-1]]
+    if not entropy:
+        return _left_aligned(flat, keep)[:real], None
+    with torch.no_grad():
+        entropies = token_entropy(logits)
+    return _left_aligned(flat, keep)[:real], _left_aligned(entropies, keep)[:real]
+
+
 def completion_token_logps(model: Any, batch: Rows, *, completion_only: bool) -> torch.Tensor:
     """Per-token log-probs of each sequence's completion, left-aligned: [B, C] where C is the
     longest completion of the batch and entry (b, j) is log p of completion token j of row b (0
     past its end). Online RL's ratio, KL and loss are per token. The batch is a plain one
     (`labels` = the completion ids after the prompt, IGNORE_INDEX elsewhere) whose completions
     are contiguous; a multimodal batch's dummy row (see `MediaSupport.attach`) is cut off."""
+    return _completion_pass(model, batch, completion_only=completion_only, entropy=False)[0]
+
+
+def completion_token_logps_and_entropy(
+    model: Any, batch: Rows, *, completion_only: bool
+) -> tuple[Tensor, Tensor]:
+    """`completion_token_logps` and, from the same logits, the policy's entropy at each of
+    those positions (`losses.token_entropy`, without gradient: for logging): ([B, C], [B, C]).
+    Without `completion_only` the logits of the completion positions are copied out of the
+    full [B, T, V] ones first (an extra [tokens, V] tensor)."""
+    logps, entropies = _completion_pass(model, batch, completion_only=completion_only, entropy=True)
+    assert entropies is not None
+    return logps, entropies
+
+
+def completion_token_values(model: Any, batch: Rows) -> Tensor:
+    """A critic's values of each sequence's completion tokens, aligned with
+    `completion_token_logps`: [B, C] fp32, entry (b, j) = V(prompt + completion tokens < j),
+    the value of the state in which completion token j is chosen (read at the position that
+    predicts it, as OpenRLHF's and TRL's critics read it), 0 past a row's end. `model` returns
+    [B, T] values (`models.value.ValueModel`, or an engine around one); the batch is the plain
+    one `completion_token_logps` takes."""
     labels = batch.labels
     real = batch.num_real
-    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, **batch.media}
-    # Position t is kept when it predicts a scored token t+1 (row-major: each row's completion
-    # tokens in order, so they land left-aligned in the [B, C] result below).
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != IGNORE_INDEX
-    if completion_only:
-        logits = model(**inputs, logits_to_keep=keep).logits
-        flat = selected_token_logps(logits, labels[:, 1:][keep[:, :-1]])
-    else:
-        logits = model(**inputs).logits
-        flat = token_logps(logits, labels)[keep[:, :-1]]
-    lengths = keep.sum(dim=1)
-    width = int(lengths.max()) if lengths.numel() else 0
-    slots = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
-    out = torch.zeros(labels.shape[0], width, dtype=flat.dtype, device=flat.device)
-    out = out.masked_scatter(slots, flat)
-    return out[:real]
+    keep = _predicting(labels)
+    values = model(**_plain_inputs(batch))
+    return _left_aligned(values[keep].float(), keep)[:real]
+
+
+def shared_prefix_token_values(model: Any, batch: SharedPrefix) -> Tensor:
+    """A critic's values at every scored position of a `collate_shared_prefix` batch, flat, in
+    the batch's `score_targets` order (as `shared_prefix_token_logps`), fp32."""
+    values = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.shared_prefix_mask,
+        position_ids=batch.position_ids,
+    )
+    return values.reshape(-1)[batch.score_positions].float()

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from align_anything.data.builtin import ANSWER_RE, has_preferred_property
+from align_anything.data.formats import describe_rows
 from align_anything.errors import ConfigError, Preempted, UserError, did_you_mean
 
 RewardFunction = Callable[..., Sequence[float | None]]
@@ -52,11 +53,23 @@ RewardFunction = Callable[..., Sequence[float | None]]
 _SPEC_RE = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 # Completions are shown up to this many characters in error messages.
 _SHOWN_CHARS = 300
+# Data rows named in a message about many rows (the rest are counted).
+_SHOWN_ROWS = 5
 
 
 class RewardError(UserError):
     """A reward function failed on a batch: raised, returned NaN/inf, the wrong count or a value
     that is not a number. The message names the function, the data row and the completion."""
+
+
+class RowsFailed(Exception):
+    """Raised by a reward function that knows which of its rows failed (one request of a remote
+    reward: `rewards_remote`): `score_completions` names their data rows with the message, and
+    does not call the function again row by row to find the failing one."""
+
+    def __init__(self, message: str, indices: Sequence[int]) -> None:
+        super().__init__(message)
+        self.indices = list(indices)
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,8 +209,6 @@ def _where(name: str, row_ids: Sequence[int | str], completions: Sequence[str], 
 _WATCHDOG_SIGNAL = signal.SIGUSR2
 # How often the watchdog looks at the deadline (a stop signal may move it earlier).
 _WATCH_PERIOD_S = 0.25
-# Row labels shown in a message about a whole call.
-_SHOWN_ROWS = 5
 
 
 class _Interrupted(BaseException):
@@ -266,10 +277,13 @@ def _watch(call: RewardCall, done: threading.Event, main_thread: int) -> None:
 
 
 def _rows_text(row_ids: Sequence[int | str]) -> str:
-    labels = list(dict.fromkeys(map(_label, row_ids)))  # a prompt's G completions: one row
-    shown = ", ".join(labels[:_SHOWN_ROWS])
+    """The distinct data rows of a call ("lines 3, 4": a prompt's G completions share their
+    prompt's row), at most _SHOWN_ROWS of them, and how many completions."""
+    labels = list(dict.fromkeys(map(_label, row_ids)))
+    shown = describe_rows(labels[:_SHOWN_ROWS])
     more = f" and {len(labels) - _SHOWN_ROWS} more" if len(labels) > _SHOWN_ROWS else ""
-    return f"{shown}{more} ({len(row_ids)} completions)"
+    count = len(row_ids)
+    return f"{shown}{more} ({count} completion{'s' if count != 1 else ''})"
 
 
 def _call_with_deadline(
@@ -383,6 +397,10 @@ def _rewards_of(
         returned = _call(*call)
     except RewardError:  # the deadline passed
         raise
+    except RowsFailed as err:  # a reward server named the rows it failed on
+        raise RewardError(
+            f"reward {name!r} on {_rows_text([row_ids[i] for i in err.indices])}: {err}"
+        ) from None
     except _FUNCTION_FAILED as err:  # the user's function
         found = _failing_row(*call)
         index, cause = found if found is not None else (0, err)

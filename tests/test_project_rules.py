@@ -102,7 +102,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"base": ("errors", "atomic")},
     {"config": ("config",)},
     {"backend": ("backend",), "data": ("data",), "losses": ("losses",)},
-    {"models": ("models",), "rewards": ("rewards",)},
+    {"models": ("models",), "rewards": ("rewards", "rewards_remote")},
     {"forward": ("forward",)},
     {"plan": ("plan",)},
     {"training": ("training",)},

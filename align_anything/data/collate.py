@@ -21,7 +21,8 @@ from align_anything.errors import DataError
 def pad_rows(
     sequences: Sequence[Sequence[int]], label_sequences: Sequence[Sequence[int]], pad_id: int
 ) -> Rows:
-    """Right-pad token sequences and their labels into one `Rows` batch."""
+    """Right-pad token sequences and their labels into one `Rows` batch ([B, T], T the
+    longest; the mask comes from the lengths, see the module docstring)."""
     if not sequences:
         raise ValueError("cannot collate an empty batch")
     if not isinstance(pad_id, int):
@@ -34,6 +35,8 @@ def pad_rows(
     attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
     labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
     for i, (ids, row_labels) in enumerate(zip(sequences, label_sequences, strict=True)):
+        if len(row_labels) != len(ids):
+            raise ValueError(f"row {i}: {len(row_labels)} labels for {len(ids)} ids")
         n = len(ids)
         input_ids[i, :n] = torch.tensor(ids, dtype=torch.long)
         attention_mask[i, :n] = 1

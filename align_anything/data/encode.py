@@ -74,6 +74,15 @@ def _template_ids(
     return [int(i) for i in out]
 
 
+def reward_model_ids(tokenizer: Any, prompt: list[dict], completion: str) -> list[int]:
+    """The ids a reward model trained by `task=rm` scores for a prompt (messages) and a
+    completion (text): the conversation `prompt + [assistant: completion]` rendered whole by
+    the reward model's own chat template, end-of-turn tokens included, as `task=rm` encoded its
+    pairs. Used wherever a reward model scores online-RL completions (in the trainer and in
+    `python -m align_anything serve-reward`). Raises `RowRejected` on a template error."""
+    return _template_ids(tokenizer, [*prompt, {"role": "assistant", "content": completion}])
+
+
 def _is_prefix(prefix: list[int], ids: list[int]) -> bool:
     return len(prefix) <= len(ids) and ids[: len(prefix)] == prefix
 

@@ -1,5 +1,5 @@
 """Loss functions, pure: tensors in, tensors out. No config objects, no distributed calls; the
-trainers turn config values into the keyword arguments. (Log-probs come from
+tasks turn config values into the keyword arguments. (Log-probs come from
 `align_anything.forward`; SFT's loss is the negative of their mean.)
 
 - `rules`: the DPO loss types by name and the rules for combining them (no torch: the run
@@ -8,7 +8,10 @@ trainers turn config values into the keyword arguments. (Log-probs come from
 - `kto`: KTO's loss and its KL reference point;
 - `reward`: the reward model's pairwise loss;
 - `rl`: online RL — GRPO / DAPO / Dr. GRPO advantages, per-token loss and its split-invariant
-  aggregation, RLOO's leave-one-out advantages, KL-in-reward and loss.
+  aggregation, RLOO's leave-one-out advantages, KL-in-reward and loss;
+- `ppo`: PPO with a critic and REINFORCE++ — per-token rewards (score and k1 KL), GAE,
+  discounted returns, whitening over the global batch, the clipped policy and value losses,
+  explained variance, entropy.
 
 Every public name is re-exported here, so `from align_anything import losses; losses.X` works.
 The re-exports load their module on first use (PEP 562), so that importing `losses.rules`
@@ -53,6 +56,23 @@ _EXPORTS: dict[str, str] = {
     "rloo_per_sequence_loss": "rl",
     "rloo_reward_with_kl": "rl",
     "rloo_sequence_kl": "rl",
+    "ADVANTAGE_ESTIMATORS": "ppo",
+    "WHITEN_EPS": "ppo",
+    "PolicyStats": "ppo",
+    "discounted_returns": "ppo",
+    "explained_variance": "ppo",
+    "explained_variance_moments": "ppo",
+    "gae": "ppo",
+    "group_baseline": "ppo",
+    "last_token_index": "ppo",
+    "masked_moments": "ppo",
+    "moments_mean_var": "ppo",
+    "per_token_rewards": "ppo",
+    "ppo_policy_loss": "ppo",
+    "token_entropy": "ppo",
+    "token_kl": "ppo",
+    "value_loss": "ppo",
+    "whiten": "ppo",
     "BATCH_SORTED_LOSS_TYPES": "rules",
     "DPO_LOSS_TYPES": "rules",
     "REFERENCE_FREE_LOSS_TYPES": "rules",

@@ -183,6 +183,21 @@ def _clipped_objective(
     return loss, low, high
 
 
+def token_advantages(logps: Tensor, old_logps: Tensor, advantages: Tensor) -> Tensor:
+    """`advantages` shaped to multiply [B, T] per-token terms ([B] → [B, 1]; [B, T] as is),
+    after checking that `logps` and `old_logps` share one [B, T] shape with B rows of them."""
+    if logps.shape != old_logps.shape or logps.dim() != 2:
+        raise ValueError(
+            f"logps and old_logps must share one [B, T] shape, got {tuple(logps.shape)} and "
+            f"{tuple(old_logps.shape)}"
+        )
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    if advantages.size(0) != logps.size(0):
+        raise ValueError(f"{advantages.size(0)} advantages for {logps.size(0)} sequences")
+    return advantages
+
+
 def grpo_per_token_loss(
     logps: Tensor,
     old_logps: Tensor,
@@ -214,15 +229,7 @@ def grpo_per_token_loss(
         (per_token_loss [B, T], unmasked: aggregate with `loss_sum` / `loss_items`;
          ClipStats of [B, T] floats — take their masked means for TRL's metrics).
     """
-    if logps.shape != old_logps.shape or logps.dim() != 2:
-        raise ValueError(
-            f"logps and old_logps must share one [B, T] shape, got {tuple(logps.shape)} and "
-            f"{tuple(old_logps.shape)}"
-        )
-    if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(1)
-    if advantages.size(0) != logps.size(0):
-        raise ValueError(f"{advantages.size(0)} advantages for {logps.size(0)} sequences")
+    advantages = token_advantages(logps, old_logps, advantages)
     if beta < 0:
         raise ValueError(f"beta must be >= 0, got {beta}")
     loss, low, high = _clipped_objective(

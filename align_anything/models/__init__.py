@@ -5,6 +5,7 @@
 - `loading`: config, tokenizer, processor, and the one choice of model class for a task
   (`model_class`, `load_model`, `empty_model`).
 - `reward_head`: reward models of multimodal families (base model + score head).
+- `value`: PPO's critic, a value per token from a reward model's backbone and score head.
 - `parts`: model parts and freezing by part (`model.freeze`).
 - `lora`: adapters (PEFT), saving them from gathered weights, merging them.
 - `ema`: an exponential moving average of the trained weights, under every ZeRO stage.
