@@ -79,8 +79,8 @@ def test_values_are_the_reward_models_score_of_every_prefix(tiny_rm: Path) -> No
     with torch.no_grad():
         values = critic(input_ids=ids, attention_mask=torch.ones_like(ids))
         prefixes = [
-            float(sequence_scores(scorer, {"input_ids": ids[:, : t + 1],
-                                           "attention_mask": torch.ones(1, t + 1)}))
+            float(sequence_scores(scorer, Rows(ids[:, : t + 1], torch.ones(1, t + 1),
+                                               ids[:, : t + 1])))
             for t in range(ids.shape[1])
         ]  # fmt: skip
     assert values.shape == (1, 6)
@@ -95,7 +95,7 @@ def test_completion_token_values_align_with_the_completion_logps(tiny_rm: Path) 
     with torch.no_grad():
         values = completion_token_values(critic.eval(), batch)
         logps = completion_token_logps(policy.eval(), batch, completion_only=True)
-        full = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        full = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     assert values.shape == logps.shape == (2, 4) and values.dtype == torch.float32
     # Completion token j of row b is chosen after position len(prompt) + j − 1.
     assert values[0].tolist() == pytest.approx(full[0, 2:6].tolist(), abs=1e-6)
@@ -130,7 +130,7 @@ def test_logps_and_entropy_from_one_pass(completion_only: bool) -> None:
             policy.eval(), batch, completion_only=completion_only
         )
         expected = completion_token_logps(policy, batch, completion_only=completion_only)
-        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = policy(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-5)
     # Entropy of the distribution that chose each completion token (positions 2..5 of row 0,
     # 4..5 of row 1), 0 past row 1's end.

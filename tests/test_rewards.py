@@ -279,7 +279,7 @@ def test_a_call_past_its_deadline_is_an_error_naming_function_and_rows(user_modu
     message = _timed(f"my_rewards:{name}")
     assert message == (
         f"reward function {name!r} did not return within reward.timeout_seconds=0.5 on data "
-        "row 7, data row 3 (4 completions). Make it faster (or bound its own work), or raise "
+        "rows 7, 3 (4 completions). Make it faster (or bound its own work), or raise "
         "reward.timeout_seconds"
     )
     # Nothing left behind: the handler restored, no call active, no watchdog thread.
@@ -310,7 +310,7 @@ def test_a_stop_signal_cuts_a_hung_call_short(user_module) -> None:
             completions=COMPLETIONS, fields=FIELDS, row_ids=ROW_IDS, timeout_s=60.0,
         )  # fmt: skip
     assert caught.value.signum == signal.SIGTERM
-    assert "stopped by SIGTERM: reward function 'sleeps' was still running on data row 7" in str(
+    assert "stopped by SIGTERM: reward function 'sleeps' was still running on data rows 7, 3" in str(
         caught.value
     )
 
