@@ -103,7 +103,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"config": ("config",)},
     {"backend": ("backend",), "data": ("data",), "losses": ("losses",)},
     {"models": ("models",), "rewards": ("rewards",)},
-    {"forward": ("forward",)},
+    {"forward": ("forward", "forward_diffusion")},
     {"plan": ("plan",)},
     {"trainers": ("trainers",)},
     {"entry": ("train", "tools", "__main__")},

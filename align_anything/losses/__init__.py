@@ -6,11 +6,22 @@ trainers turn config values into the keyword arguments. (Log-probs come from
 - `kto`: KTO's loss and its KL reference point;
 - `reward`: the reward model's pairwise loss;
 - `rl`: online RL — GRPO / DAPO / Dr. GRPO advantages, per-token loss and its split-invariant
-  aggregation, RLOO's leave-one-out advantages, KL-in-reward and loss.
+  aggregation, RLOO's leave-one-out advantages, KL-in-reward and loss;
+- `diffusion`: text-to-image — per-sample denoising MSE, min-SNR-γ weights, Diffusion-DPO
+  (sigmoid, hinge, IPO) and Diffusion-KTO on those MSEs.
 
 Every public name is re-exported here, so `from align_anything import losses; losses.X` works.
 """
 
+from align_anything.losses.diffusion import (
+    DIFFUSION_DPO_LOSS_TYPES,
+    DiffusionDPOOutput,
+    denoising_loss,
+    diffusion_dpo_loss,
+    diffusion_kto_loss,
+    min_snr_weights,
+    per_sample_mse,
+)
 from align_anything.losses.kto import KTOLossOutput, kto_kl_reference, kto_loss
 from align_anything.losses.preference import (
     BATCH_SORTED_LOSS_TYPES,
@@ -51,6 +62,7 @@ from align_anything.losses.rl import (
 
 __all__ = [
     "BATCH_SORTED_LOSS_TYPES",
+    "DIFFUSION_DPO_LOSS_TYPES",
     "DPO_LOSS_TYPES",
     "GRPO_LOSS_TYPES",
     "REFERENCE_FREE_LOSS_TYPES",
@@ -58,12 +70,16 @@ __all__ = [
     "STD_EPS",
     "ClipStats",
     "DPOLossOutput",
+    "DiffusionDPOOutput",
     "KTOLossOutput",
     "aot_loss",
     "aot_unpaired_loss",
     "apo_down_loss",
     "apo_zero_loss",
     "bco_pair_loss",
+    "denoising_loss",
+    "diffusion_dpo_loss",
+    "diffusion_kto_loss",
     "discopop_loss",
     "dpo_loss",
     "exo_pair_loss",
@@ -74,9 +90,11 @@ __all__ = [
     "kto_loss",
     "loss_items",
     "loss_sum",
+    "min_snr_weights",
     "nanstd",
     "nca_pair_loss",
     "needs_reference",
+    "per_sample_mse",
     "reward_loss",
     "rloo_advantages",
     "rloo_per_sequence_loss",
