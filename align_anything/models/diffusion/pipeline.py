@@ -318,9 +318,9 @@ def load_denoiser(
 
     folder = info.part_path(info.denoiser_part)
     files = _weight_files(folder)
-    with zero_init.partitioned_construction(ds_config or {}) as partitioned:
+    with zero_init.partitioned_construction(ds_config or {}, dtype=dtype) as partitioned:
         if partitioned:
-            model = empty_denoiser(info, dtype=dtype)
+            model = empty_denoiser(info)
     if partitioned:
         from safetensors import safe_open
 
