@@ -22,15 +22,21 @@ DIFFUSION_DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")
 MIN_SNR_PREDICTIONS = ("epsilon", "v_prediction")
 
 
+def _at_least_fp32(tensor: Tensor) -> Tensor:
+    # bf16/fp16 differences of near-equal predictions lose most of their digits; fp64 (tests,
+    # gradcheck) stays fp64.
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def per_sample_mse(prediction: Tensor, target: Tensor) -> Tensor:
-    """[B]: the mean of (prediction − target)² over every dimension but the first, in fp32
-    (as diffusers' training scripts compute it, `F.mse_loss(..., reduction="none")` averaged
-    per sample)."""
+    """[B]: the mean of (prediction − target)² over every dimension but the first, in fp32 at
+    least (as diffusers' training scripts compute it, `F.mse_loss(..., reduction="none")` of
+    fp32 copies, averaged per sample)."""
     if prediction.shape != target.shape:
         raise ValueError(
             f"prediction {tuple(prediction.shape)} and target {tuple(target.shape)} differ"
         )
-    squared = (prediction.float() - target.float()).pow(2)
+    squared = (_at_least_fp32(prediction) - _at_least_fp32(target)).pow(2)
     return squared.reshape(squared.shape[0], -1).mean(dim=1)
 
 
@@ -122,8 +128,8 @@ def diffusion_dpo_loss(
     shapes = {tuple(t.shape) for t in tensors}
     if len(shapes) != 1 or policy_mse_chosen.dim() != 1:
         raise ValueError(f"the four MSEs must share one [B] shape, got {sorted(shapes)}")
-    ref_w, ref_l = ref_mse_chosen.detach().float(), ref_mse_rejected.detach().float()
-    theta_w, theta_l = policy_mse_chosen.float(), policy_mse_rejected.float()
+    ref_w, ref_l = (_at_least_fp32(t.detach()) for t in (ref_mse_chosen, ref_mse_rejected))
+    theta_w, theta_l = (_at_least_fp32(t) for t in (policy_mse_chosen, policy_mse_rejected))
     logits = (ref_w - ref_l) - (theta_w - theta_l)
     if loss_type == "sigmoid":
         losses = -torch.nn.functional.logsigmoid(beta * logits)
@@ -155,6 +161,6 @@ def diffusion_kto_loss(
     z₀ = `kl` is the caller's (e.g. `losses.kto_kl_reference` of r over mismatched images, or
     0); it carries no gradient."""
     return kto_loss(
-        -policy_mse.float(), -ref_mse.detach().float(), desirable, kl, beta=beta,
+        -_at_least_fp32(policy_mse), -_at_least_fp32(ref_mse.detach()), desirable, kl, beta=beta,
         desirable_weight=desirable_weight, undesirable_weight=undesirable_weight,
     )  # fmt: skip
