@@ -91,7 +91,9 @@ def _by_hand(s: Setup) -> torch.Tensor:
 
                 b, c, h, w = noisy.shape
                 packed = FluxPipeline._pack_latents(noisy, b, c, h, w)
-                image_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, "cpu", torch.float32)
+                image_ids = FluxPipeline._prepare_latent_image_ids(
+                    b, h // 2, w // 2, "cpu", torch.float32
+                )
                 text_ids = torch.zeros(embeds.shape[1], 3)
                 out = s.denoiser(
                     hidden_states=packed, timestep=timesteps / 1000,
@@ -136,7 +138,10 @@ def test_a_sample_does_not_depend_on_its_batch(setup: Setup) -> None:
     second = fd.draw_noise(setup.info, setup.scheduler, shape, setup.seeds[1:])
     assert torch.equal(torch.cat([first.noise, second.noise]), setup.draw.noise)
     assert torch.equal(torch.cat([first.timesteps, second.timesteps]), setup.draw.timesteps)
-    halves = [{k: v[:1] for k, v in setup.batch.items()}, {k: v[1:] for k, v in setup.batch.items()}]
+    halves = [
+        {k: v[:1] for k, v in setup.batch.items()},
+        {k: v[1:] for k, v in setup.batch.items()},
+    ]
     split = torch.cat([
         fd.denoising_mse(setup.denoiser, setup.info, setup.scheduler, half, draw)
         for half, draw in zip(halves, (first, second), strict=True)
@@ -164,7 +169,9 @@ def test_gradients_reach_the_denoiser(name: str) -> None:
     setup = _setup(name)
     denoiser = setup.denoiser
     denoiser.zero_grad()
-    fd.denoising_mse(denoiser, setup.info, setup.scheduler, setup.batch, setup.draw).mean().backward()
+    fd.denoising_mse(
+        denoiser, setup.info, setup.scheduler, setup.batch, setup.draw
+    ).mean().backward()
     grads = [p.grad for p in denoiser.parameters() if p.requires_grad]
     assert all(g is not None for g in grads)
     assert sum(g.abs().sum().item() for g in grads) > 0

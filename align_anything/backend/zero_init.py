@@ -65,21 +65,21 @@ def whole_models() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def partitioned_construction(
-    ds_config: dict[str, Any], *, dtype: torch.dtype | None = None
-) -> Iterator[bool]:
+def partitioned_construction(ds_config: dict[str, Any]) -> Iterator[bool]:
     """Build a model that is not a transformers model (a diffusers denoiser) inside this
     context: under ZeRO-3 every parameter is partitioned as its module is constructed
     (`deepspeed.zero.Init`), so no rank ever holds the whole model; yields whether it did.
     transformers does this itself inside `model_init_context`; diffusers' loader does not, so
-    the caller builds from the config here and then calls `load_into_partitions`. `dtype`:
-    the partitions' dtype (None: DeepSpeed's choice from the config's precision)."""
+    the caller builds from the config here and then calls `load_into_partitions`. The
+    partitions' dtype is the config's precision (bf16 or fp16 enabled, else fp32): DeepSpeed
+    0.19.8 ignores an explicit `dtype=` wherever fp16 is unsupported, CPU included (operator
+    precedence in `Init._set_dtype`), so none is passed."""
     if zero_stage_of(ds_config) != 3:
         yield False
         return
     import deepspeed
 
-    with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):
+    with deepspeed.zero.Init(config_dict_or_path=ds_config):
         yield True
 
 

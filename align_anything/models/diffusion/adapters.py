@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from align_anything import atomic
-from align_anything.errors import ConfigError
-from align_anything.models.lora import check_targets
+from align_anything.errors import ConfigError, did_you_mean
 
 # The attention projections of a UNet's transformer blocks (diffusers' LoRA training scripts'
 # targets for SD and SDXL).
@@ -35,6 +34,32 @@ TRANSFORMER_TARGETS = (*UNET_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", 
 def default_denoiser_targets(family: str) -> list[str]:
     """The modules LoRA adapts by default in a denoiser of `family`."""
     return list(UNET_TARGETS if family in ("sd", "sdxl") else TRANSFORMER_TARGETS)
+
+
+def _short_name(name: str) -> str:
+    """A module's name as PEFT targets match it: its last part, or the last two where the
+    last is an index (`to_out.0`)."""
+    parts = name.split(".")
+    return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+
+
+def _check_targets(denoiser: torch.nn.Module, targets: list[str], family: str) -> None:
+    """Every target must name a module the way PEFT matches it (the full name or its last
+    dotted parts); PEFT itself accepts names that match nothing as long as one name matches."""
+    names = [name for name, _ in denoiser.named_modules() if name]
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    if not missing:
+        return
+    linear = sorted(
+        {_short_name(n) for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)}
+    )
+    verb = "names no module" if len(missing) == 1 else "name no modules"
+    raise ConfigError(
+        f"model.lora.target_modules: {', '.join(repr(t) for t in missing)} {verb} of "
+        f"{type(denoiser).__name__}{did_you_mean(missing[0], linear)}. Its linear layers are "
+        f"named: {', '.join(linear)}; the default for {family} is "
+        f"[{','.join(default_denoiser_targets(family))}] (model.lora.target_modules=default)"
+    )
 
 
 def add_denoiser_adapters(
@@ -54,7 +79,7 @@ def add_denoiser_adapters(
             f"model.lora.target_modules={targets!r}: a denoiser takes 'default' or a list of "
             f"module names, e.g. [{','.join(default_denoiser_targets(family))}]"
         )
-    check_targets(denoiser, list(targets))
+    _check_targets(denoiser, list(targets), family)
     config = LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
         init_lora_weights=True,

@@ -313,14 +313,19 @@ def load_denoiser(
     """The trained denoiser with the folder's weights, in train mode, every parameter
     trainable. With a ZeRO-3 `ds_config` it is built partitioned (`deepspeed.zero.Init`) and
     the weights are copied into the partitions one layer at a time (diffusers' own loader does
-    not know ZeRO-3); otherwise diffusers' `from_pretrained` loads it whole (safetensors only)."""
+    not know ZeRO-3), in the config's precision (its bf16 / fp16 section, else fp32, which
+    should be `dtype`); otherwise diffusers' `from_pretrained` loads it whole in `dtype`
+    (safetensors only)."""
     from align_anything.backend import zero_init
 
     folder = info.part_path(info.denoiser_part)
     files = _weight_files(folder)
-    with zero_init.partitioned_construction(ds_config or {}, dtype=dtype) as partitioned:
+    # Imported before zero.Init patches tensor creation: importing diffusers imports
+    # torch._dynamo, whose start-up checks fail under the patch.
+    cls = _denoiser_cls(info)
+    with zero_init.partitioned_construction(ds_config or {}) as partitioned:
         if partitioned:
-            model = empty_denoiser(info)
+            model = cls.from_config(info.denoiser_config)
     if partitioned:
         from safetensors import safe_open
 
@@ -337,7 +342,7 @@ def load_denoiser(
         zero_init.load_into_partitions(model, lambda key: where[key].get_tensor(key))
     else:
         try:
-            model = _denoiser_cls(info).from_pretrained(
+            model = cls.from_pretrained(
                 info.path, subfolder=info.denoiser_part, torch_dtype=dtype, use_safetensors=True
             )
         except (OSError, ValueError) as err:
@@ -442,9 +447,13 @@ class FrozenParts:
 
     def pipeline(self, denoiser: torch.nn.Module | None) -> Any:
         """The family's text-to-image pipeline object over these modules and `denoiser` (None
-        for the text side only): references, no copies. Its progress bar is off."""
+        for the text side only: a denoiser on the meta device stands in, whose config the
+        prompt encoding reads, e.g. SD3 without T5): references, no copies. No progress bar."""
         import diffusers
 
+        if denoiser is None:
+            with torch.device("meta"):
+                denoiser = empty_denoiser(self.info)
         cls = getattr(diffusers, self.info.pipeline_class)
         expected, optional = cls._get_signature_keys(cls)
         parts: dict[str, Any] = {
