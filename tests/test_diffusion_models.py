@@ -21,6 +21,7 @@ from conftest import DIST_ENV_VARS, free_port
 from align_anything.errors import ConfigError, ModelError
 from align_anything.models import diffusion
 from align_anything.models.diffusion import adapters, sampling
+from align_anything.models.sizes import denoiser_sizes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,7 +184,7 @@ FLUX_DEV = dict(
 def test_denoiser_sizes_from_config_on_meta(family, cls, config, expected) -> None:
     base = diffusion.inspect_pipeline("tiny-random-sd")
     info = dataclasses.replace(base, family=family, denoiser_class=cls, denoiser_config=config)
-    sizes = diffusion.denoiser_sizes(info)
+    sizes = denoiser_sizes(info)
     assert sizes.total == sizes.trainable == expected
     assert 0 < sizes.largest_layer < expected
 
@@ -202,7 +203,7 @@ def test_lora_sizes_on_meta() -> None:
         for name, m in unet.named_modules()
         if isinstance(m, torch.nn.Linear) and any(name.endswith(f".{t}") for t in targets)
     )
-    sizes = diffusion.denoiser_sizes(info, adapters=dict(r=4, alpha=4, dropout=0.0))
+    sizes = denoiser_sizes(info, adapters=dict(r=4, alpha=4, dropout=0.0))
     assert sizes.trainable == expected == 797_184  # the well-known 3.2 MB SD 1.5 LoRA at r=4
     assert sizes.total == 859_520_964 + expected
 

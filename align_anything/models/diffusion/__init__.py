@@ -5,7 +5,8 @@ diffusion tasks (denoising fine-tuning, Diffusion-DPO).
   parts (`PipelineInfo`, from the folder's JSON files alone), loading the trained denoiser on
   its own (`load_denoiser`, `empty_denoiser`) and the frozen parts (`load_frozen_parts`: VAE,
   text encoders, tokenizers, noise scheduler), encoding images and captions for the latent
-  cache, the parts' identity for that cache's key, and parameter counts from the config alone.
+  cache, and the parts' identity for that cache's key (parameter counts from the config
+  alone: `models.sizes.denoiser_sizes`).
 - `adapters`: LoRA on the denoiser through PEFT (diffusers' own adapter integration), saved in
   the format diffusers' `load_lora_weights` reads.
 - `sampling`: images for fixed prompts and seeds through the family's diffusers pipeline class
@@ -22,10 +23,8 @@ from align_anything.models.diffusion.adapters import (
 )
 from align_anything.models.diffusion.pipeline import (
     FAMILIES,
-    DenoiserSizes,
     FrozenParts,
     PipelineInfo,
-    denoiser_sizes,
     empty_denoiser,
     encoder_identity,
     inspect_pipeline,
@@ -38,13 +37,11 @@ from align_anything.models.diffusion.sampling import sample_images, save_grid
 
 __all__ = [
     "FAMILIES",
-    "DenoiserSizes",
     "FrozenParts",
     "PipelineInfo",
     "adapters_disabled",
     "add_denoiser_adapters",
     "default_denoiser_targets",
-    "denoiser_sizes",
     "empty_denoiser",
     "encoder_identity",
     "inspect_pipeline",

@@ -355,34 +355,6 @@ def load_denoiser(
     return model
 
 
-@dataclass(frozen=True)
-class DenoiserSizes:
-    """The denoiser's parameter counts (from its config on the meta device), for the memory
-    planner; `trainable` counts LoRA adapters only when adapters are given."""
-
-    total: int
-    trainable: int
-    largest_layer: int
-
-
-def denoiser_sizes(info: PipelineInfo, *, adapters: dict[str, Any] | None = None) -> DenoiserSizes:
-    """Parameter counts of the denoiser built from its config on the meta device (no weights
-    read, no memory: a 12B Flux transformer counts in under a second); with `adapters` (r,
-    alpha, dropout, target_modules) the LoRA adapters are added and only they are trainable."""
-    from align_anything.models.diffusion.adapters import add_denoiser_adapters
-    from align_anything.models.loading import count_parameters
-
-    with torch.device("meta"):
-        model = empty_denoiser(info)
-        if adapters:
-            add_denoiser_adapters(model, family=info.family, **adapters)
-    trainable, frozen = count_parameters(model)
-    largest = max(
-        (sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0
-    )
-    return DenoiserSizes(total=trainable + frozen, trainable=trainable, largest_layer=largest)
-
-
 # ----------------------------------------------------------------- the frozen parts
 
 
