@@ -206,6 +206,17 @@ def denoising_mse(
     return per_sample_mse(prediction, target.to(prediction.device))
 
 
+def batch_to(
+    batch: Mapping[str, Tensor], device: torch.device | str, dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """The batch on `device`, its floating tensors in the denoiser's compute `dtype` (the
+    cache keeps the encoders' dtype; a bf16 engine needs bf16 inputs)."""
+    return {
+        k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+        for k, v in batch.items()
+    }
+
+
 def concat_batches(first: Mapping[str, Tensor], second: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """One batch of `first`'s rows then `second`'s (the same keys)."""
     if set(first) != set(second):

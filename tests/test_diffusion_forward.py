@@ -209,3 +209,16 @@ def test_uniform_flow_sampling() -> None:
     # uniform u: the indices ⌊u·1000⌋ cover the table evenly; SD3's shift 3 table puts more
     # than half its σ above 0.5 (σ_shifted = 3σ / (1 + 2σ) > 0.5 for σ > 0.25)
     assert (draw.sigmas > 0.5).float().mean() > 0.6
+
+
+def test_a_bf16_denoiser_takes_the_cast_batch() -> None:
+    # The cache keeps the encoders' fp32; a bf16 engine gets the batch cast by `batch_to`.
+    setup = _setup("tiny-random-sd3")
+    info = setup.info
+    denoiser = diffusion.load_denoiser(info, dtype=torch.bfloat16)
+    batch = fd.batch_to(setup.batch, "cpu", torch.bfloat16)
+    assert {v.dtype for v in batch.values()} == {torch.bfloat16}
+    mse = fd.denoising_mse(denoiser, info, setup.scheduler, batch, setup.draw)
+    assert mse.dtype == torch.float32  # compared in fp32
+    whole = fd.denoising_mse(setup.denoiser, info, setup.scheduler, setup.batch, setup.draw)
+    torch.testing.assert_close(mse.detach(), whole.detach(), rtol=0.05, atol=0.05)

@@ -267,6 +267,33 @@ def test_lora_adapter_loads_into_a_fresh_pipeline(name: str, tmp_path: Path) -> 
         torch.testing.assert_close(denoiser(*args, **kwargs).sample, adapted, rtol=1e-5, atol=1e-5)
 
 
+def test_export_from_a_state_dict_with_a_merged_adapter(tmp_path: Path) -> None:
+    from diffusers import DiffusionPipeline
+
+    info = diffusion.inspect_pipeline("tiny-random-sd")
+    parts = diffusion.load_frozen_parts(info, dtype=torch.float32)
+    lora = dict(r=2, alpha=4, dropout=0.0)
+    trained = diffusion.load_denoiser(info, dtype=torch.float32)
+    diffusion.add_denoiser_adapters(trained, family="sd", **lora)
+    with torch.no_grad():  # stands in for training
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.05)
+    args, kwargs = _inputs(info)
+    with torch.no_grad():
+        expected = trained(*args, **kwargs).sample
+    # What rank 0 gets from the engine: the full state dict (here: of the local model).
+    plain = diffusion.denoiser_from_state_dict(info, trained.state_dict(), adapters=lora)
+    assert not any("lora_" in n for n, _ in plain.named_parameters())
+    out = diffusion.save_pipeline(parts, plain, tmp_path / "final")
+    loaded = DiffusionPipeline.from_pretrained(str(out))
+    assert type(loaded).__name__ == "StableDiffusionPipeline"
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.unet(*args, **kwargs).sample, expected, rtol=1e-5, atol=1e-5
+        )
+
+
 def test_an_empty_adapter_is_not_saved(tmp_path: Path) -> None:
     info = diffusion.inspect_pipeline("tiny-random-sd")
     denoiser = diffusion.load_denoiser(info, dtype=torch.float32)

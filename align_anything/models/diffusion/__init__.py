@@ -25,12 +25,14 @@ from align_anything.models.diffusion.pipeline import (
     FAMILIES,
     FrozenParts,
     PipelineInfo,
+    denoiser_from_state_dict,
     empty_denoiser,
     encoder_identity,
     inspect_pipeline,
     is_pipeline_folder,
     load_denoiser,
     load_frozen_parts,
+    save_pipeline,
     training_scheduler,
 )
 from align_anything.models.diffusion.sampling import sample_images, save_grid
@@ -41,6 +43,7 @@ __all__ = [
     "PipelineInfo",
     "adapters_disabled",
     "add_denoiser_adapters",
+    "denoiser_from_state_dict",
     "default_denoiser_targets",
     "empty_denoiser",
     "encoder_identity",
@@ -51,5 +54,6 @@ __all__ = [
     "sample_images",
     "save_denoiser_adapter",
     "save_grid",
+    "save_pipeline",
     "training_scheduler",
 ]

@@ -516,6 +516,34 @@ def load_frozen_parts(
     )  # fmt: skip
 
 
+def denoiser_from_state_dict(
+    info: PipelineInfo, state_dict: dict[str, torch.Tensor], *,
+    adapters: dict[str, Any] | None = None,
+) -> torch.nn.Module:  # fmt: skip
+    """A whole denoiser on the CPU with the weights of a full (gathered) state dict of the
+    run's denoiser, for export from any ZeRO stage; with `adapters` (the run's LoRA settings:
+    r, alpha, dropout, target_modules) the adapter is rebuilt, loaded and merged into the base
+    weights, so the result is a plain diffusers model."""
+    from align_anything.models.diffusion.adapters import add_denoiser_adapters, merge_adapters
+
+    model = empty_denoiser(info)
+    if adapters:
+        add_denoiser_adapters(model, family=info.family, **adapters)
+    model.load_state_dict(state_dict, strict=True)
+    return merge_adapters(model).eval()
+
+
+def save_pipeline(parts: FrozenParts, denoiser: torch.nn.Module, out: Path) -> Path:
+    """Write a complete diffusers folder (every part, the folder's own sampling scheduler) that
+    `DiffusionPipeline.from_pretrained(out)` loads, atomically (`atomic.folder`): `final/`.
+    `denoiser` is a whole model without adapters (`denoiser_from_state_dict`)."""
+    from align_anything import atomic
+
+    with atomic.folder(Path(out)) as tmp:
+        parts.pipeline(denoiser).save_pretrained(tmp, safe_serialization=True)
+    return Path(out)
+
+
 # ----------------------------------------------------------------- identity, for the cache key
 
 
