@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from align_anything.losses.diffusion import per_sample_mse
-from align_anything.models.diffusion.pipeline import FLUX_TRAINING_GUIDANCE, PipelineInfo
+from align_anything.models.diffusion.families import FLUX_TRAINING_GUIDANCE
+from align_anything.models.diffusion.pipeline import PipelineInfo
 
 TIMESTEP_SCHEMES = ("uniform", "logit_normal", "mode")
 

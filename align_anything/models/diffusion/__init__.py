@@ -1,6 +1,7 @@
 """Text-to-image models: diffusers pipelines from a folder (`model_index.json`), for the
 diffusion tasks (denoising fine-tuning, Diffusion-DPO).
 
+- `families`: the family names and what each needs (shared constants).
 - `pipeline`: which family a folder is (SD 1.x/2.x, SDXL, SD3-style flow matching, Flux), its
   parts (`PipelineInfo`, from the folder's JSON files alone), loading the trained denoiser on
   its own (`load_denoiser`, `empty_denoiser`) and the frozen parts (`load_frozen_parts`: VAE,
@@ -21,8 +22,8 @@ from align_anything.models.diffusion.adapters import (
     default_denoiser_targets,
     save_denoiser_adapter,
 )
+from align_anything.models.diffusion.families import FAMILIES
 from align_anything.models.diffusion.pipeline import (
-    FAMILIES,
     FrozenParts,
     PipelineInfo,
     denoiser_from_state_dict,

@@ -122,7 +122,7 @@ def save_denoiser_adapter(
     An adapter without weights (an empty ZeRO-3 partition) is refused rather than saved."""
     import diffusers
 
-    from align_anything.models.diffusion.pipeline import PIPELINE_CLASSES
+    from align_anything.models.diffusion.families import PIPELINE_CLASSES
 
     layers = adapter_state(denoiser, state_dict)
     empty = [k for k, v in layers.items() if v.numel() == 0]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,32 +29,13 @@ from typing import Any
 import torch
 
 from align_anything.errors import ModelError, did_you_mean
-
-FAMILIES = ("sd", "sdxl", "sd3", "flux")
-INDEX = "model_index.json"
-PREDICTIONS = ("epsilon", "v_prediction", "flow")
-
-# diffusers' text-to-image pipeline class of each family: sampling goes through it, and its
-# `save_lora_weights` writes adapters in the layout its `load_lora_weights` reads.
-PIPELINE_CLASSES = {
-    "sd": "StableDiffusionPipeline",
-    "sdxl": "StableDiffusionXLPipeline",
-    "sd3": "StableDiffusion3Pipeline",
-    "flux": "FluxPipeline",
-}
-# The parts each family needs (beyond the denoiser), in the pipeline's order.
-TEXT_ENCODERS = {
-    "sd": ("text_encoder",),
-    "sdxl": ("text_encoder", "text_encoder_2"),
-    "sd3": ("text_encoder", "text_encoder_2", "text_encoder_3"),
-    "flux": ("text_encoder", "text_encoder_2"),
-}
-OPTIONAL_PARTS = {"text_encoder_3", "tokenizer_3"}  # SD3 runs without its T5 (zeros instead)
-# The longest T5 prompt each flow family's pipeline takes by default (its `__call__` default).
-DEFAULT_T5_LENGTH = {"sd3": 256, "flux": 512}
-# diffusers' default guidance for training a guidance-distilled Flux (its DreamBooth script).
-FLUX_TRAINING_GUIDANCE = 3.5
-WEIGHT_SUFFIXES = (".safetensors",)
+from align_anything.models.diffusion.families import (
+    DEFAULT_T5_LENGTH,
+    INDEX,
+    OPTIONAL_PARTS,
+    PIPELINE_CLASSES,
+    TEXT_ENCODERS,
+)
 
 
 def _tokenizer_of(encoder_part: str) -> str:
@@ -412,6 +393,7 @@ class FrozenParts:
     scheduler: Any  # the folder's own (sampling)
     noise_scheduler: Any  # training: see `training_scheduler`
     max_sequence_length: int | None  # T5 tokens of SD3 / Flux prompts
+    _text_pipeline: Any = field(default=None, init=False, repr=False)
 
     @property
     def device(self) -> torch.device:
@@ -461,7 +443,9 @@ class FrozenParts:
         """The text conditioning of each caption, through the family's own pipeline
         `encode_prompt` (so training sees exactly what sampling feeds the denoiser):
         `prompt_embeds` [B, L, D] and, except for SD 1.x/2.x, `pooled_prompt_embeds` [B, P]."""
-        pipe = self.pipeline(None)
+        if self._text_pipeline is None:  # built once: the meta denoiser takes a moment
+            self._text_pipeline = self.pipeline(None)
+        pipe = self._text_pipeline
         captions, device = list(captions), self.device
         family = self.info.family
         if family == "sd":
@@ -583,7 +567,3 @@ def encoder_identity(
         "dtype": str(dtype), "latent": "posterior mean",
     }  # fmt: skip
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:20]
-
-
-ImageEncoder = Callable[[torch.Tensor], torch.Tensor]
-PromptEncoder = Callable[[Sequence[str]], dict[str, torch.Tensor]]
