@@ -270,11 +270,11 @@ def test_lora_adapter_loads_into_a_fresh_pipeline(name: str, tmp_path: Path) -> 
 def test_export_from_a_state_dict_with_a_merged_adapter(tmp_path: Path) -> None:
     from diffusers import DiffusionPipeline
 
-    info = diffusion.inspect_pipeline("tiny-random-sd")
+    info = diffusion.inspect_pipeline("tiny-random-sd3")
     parts = diffusion.load_frozen_parts(info, dtype=torch.float32)
     lora = dict(r=2, alpha=4, dropout=0.0)
     trained = diffusion.load_denoiser(info, dtype=torch.float32)
-    diffusion.add_denoiser_adapters(trained, family="sd", **lora)
+    diffusion.add_denoiser_adapters(trained, family="sd3", **lora)
     with torch.no_grad():  # stands in for training
         for name, param in trained.named_parameters():
             if "lora_B" in name:
@@ -287,11 +287,11 @@ def test_export_from_a_state_dict_with_a_merged_adapter(tmp_path: Path) -> None:
     assert not any("lora_" in n for n, _ in plain.named_parameters())
     out = diffusion.save_pipeline(parts, plain, tmp_path / "final")
     loaded = DiffusionPipeline.from_pretrained(str(out))
-    assert type(loaded).__name__ == "StableDiffusionPipeline"
+    assert type(loaded).__name__ == "StableDiffusion3Pipeline"
+    assert loaded.text_encoder_3 is not None and loaded.scheduler.config.shift == 3.0
     with torch.no_grad():
-        torch.testing.assert_close(
-            loaded.unet(*args, **kwargs).sample, expected, rtol=1e-5, atol=1e-5
-        )
+        fresh = loaded.transformer(*args, **kwargs).sample
+    torch.testing.assert_close(fresh, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_an_empty_adapter_is_not_saved(tmp_path: Path) -> None:
@@ -322,7 +322,8 @@ def test_lora_targets_are_checked() -> None:
 def test_sampling_is_seeded_per_image_and_the_grid_is_labelled(tmp_path: Path) -> None:
     from PIL import Image
 
-    info = diffusion.inspect_pipeline("tiny-random-sd")
+    # SD3: the cheapest denoiser to sample from (and its T5 prompt length is passed on)
+    info = diffusion.inspect_pipeline("tiny-random-sd3")
     parts = diffusion.load_frozen_parts(info, dtype=torch.float32)
     denoiser = diffusion.load_denoiser(info, dtype=torch.float32)
     prompts, seeds = ["a red circle", "a blue square"], [11, 12]
