@@ -223,6 +223,9 @@ CASES = [
     ("model-needs-remote-code", ["task=sft", "model.name_or_path={bad}/remote_code"],
      ["'{bad}/remote_code' is a local folder", "configuration_my.py, modeling_my.py",
       "runs that code", "model.trust_remote_code=true"]),
+    ("diffusion-pipeline-to-a-language-task", ["task=sft", "model.name_or_path=tiny-random-sd"],
+     ["tiny-random-sd-v1' is a diffusers text-to-image pipeline (model_index.json), not a "
+      "language model", "train it with a diffusion task"]),
     ("model-type-unknown", ["task=sft", "model.name_or_path={bad}/unknown_type"],
      ["'{bad}/unknown_type' is a local folder", "model_type 'foo_bar'", "does not know"]),
     ("resume-from-nowhere", ["task=sft", TINY, "resume={bad}/nowhere"],

@@ -104,7 +104,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"config": ("config",)},
     {"backend": ("backend",), "data": ("data",)},
     {"models": ("models",), "rewards": ("rewards", "rewards_remote")},
-    {"forward": ("forward",)},
+    {"forward": ("forward", "forward_diffusion")},
     {"plan": ("plan",)},
     {"training": ("training",)},
     {"tasks": ("tasks",)},

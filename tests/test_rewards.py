@@ -310,8 +310,9 @@ def test_a_stop_signal_cuts_a_hung_call_short(user_module) -> None:
             completions=COMPLETIONS, fields=FIELDS, row_ids=ROW_IDS, timeout_s=60.0,
         )  # fmt: skip
     assert caught.value.signum == signal.SIGTERM
-    assert "stopped by SIGTERM: reward function 'sleeps' was still running on data rows 7, 3" in str(
-        caught.value
+    assert (
+        "stopped by SIGTERM: reward function 'sleeps' was still running on data rows 7, 3"
+        in str(caught.value)
     )
 
 

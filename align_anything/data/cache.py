@@ -27,6 +27,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,55 +188,78 @@ def folder_for(root: Path, spec: pipeline.Spec, parts: dict[str, Any]) -> Path:
     return root / f"{spec.task}-{_hash(parts)}"
 
 
-def ensure(
-    spec: pipeline.Spec, parts: dict[str, Any], *, root: Path, tokenizer: Any, media: Any,
-    model_name: str, num_proc: int, on_start: Any = None,
-) -> str:  # fmt: skip
-    """Make sure the cache entry of `spec` exists and is complete, building it when it is
-    missing or damaged (or always, for media); returns the start-up summary's note. Called by
-    one process per node while the others wait; two builders of one entry (two runs at once)
+def build_entry(
+    folder: Path, build: Callable[[Path, Path], dict[str, Any]], *, always: bool = False
+) -> tuple[dict[str, Any], str | None]:
+    """Make sure the cache entry `folder` exists and is complete, building it when it is
+    missing or damaged (or `always`); returns (its manifest, None for a cache hit or the reason
+    it was built). `build(tmp, work)` writes the entry's files into `tmp` (scratch space in
+    `work`, removed afterwards) and returns the manifest's own fields; the manifest (every
+    file's size and digest) is written last, then the folder is published atomically. Called
+    by one process per node while the others wait; two builders of one entry (two runs at once)
     each build into their own temporary folder, and the second keeps the first's."""
-    folder = folder_for(root, spec, parts)
     problem = verify(folder)
-    if problem is None and media is None:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        return (
-            f"cache hit {folder} (tokenised {manifest['tokenised']} rows in "
-            f"{manifest['seconds']:.1f} s when built; no tokenisation now)"
-        )
+    if problem is None and not always:
+        return json.loads((folder / MANIFEST).read_text()), None
+    root = folder.parent
     root.mkdir(parents=True, exist_ok=True)
     host = os.uname().nodename
     _remove_abandoned(root, f".tmp-{folder.name}-{host}-")
     tmp = root / f".tmp-{folder.name}-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     work = tmp / "work"
     work.mkdir(parents=True)
-    start = time.perf_counter()
     try:
-        built = pipeline.build(
-            spec, tokenizer=tokenizer, media=media, model_name=model_name, work=work,
-            num_proc=num_proc, on_start=on_start,
-        )  # fmt: skip
-        for name in SPLITS:
-            _save(getattr(built, name), tmp / name)
-        shutil.rmtree(work)
-        seconds = time.perf_counter() - start
+        fields = build(tmp, work)
+        shutil.rmtree(work, ignore_errors=True)
         _write_manifest(
-            tmp, key=folder.name, parts=parts, rows={n: len(getattr(built, n)) for n in SPLITS},
-            reports=[dataclasses.asdict(r) for r in built.reports], mixture=built.mixture,
-            tokenised=built.tokenised, seconds=seconds, num_proc=num_proc,
-            built_by={"pid": os.getpid(), "host": os.uname().nodename,
-                      "rank": os.environ.get("RANK", "0")},
+            tmp, key=folder.name, **fields,
+            built_by={"pid": os.getpid(), "host": host, "rank": os.environ.get("RANK", "0")},
         )  # fmt: skip
-        if media is None and verify(folder) is None:  # another run published it meanwhile
+        if not always and verify(folder) is None:  # another run published it meanwhile
             shutil.rmtree(tmp)
         else:
             atomic.publish(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return json.loads((folder / MANIFEST).read_text()), problem
+
+
+def ensure(
+    spec: pipeline.Spec, parts: dict[str, Any], *, root: Path, tokenizer: Any, media: Any,
+    model_name: str, num_proc: int, on_start: Any = None,
+) -> str:  # fmt: skip
+    """Make sure the cache entry of `spec` exists and is complete, building it when it is
+    missing or damaged (or always, for media: `build_entry`); returns the start-up summary's
+    note."""
+    folder = folder_for(root, spec, parts)
+
+    def build(tmp: Path, work: Path) -> dict[str, Any]:
+        start = time.perf_counter()
+        built = pipeline.build(
+            spec, tokenizer=tokenizer, media=media, model_name=model_name, work=work,
+            num_proc=num_proc, on_start=on_start,
+        )  # fmt: skip
+        for name in SPLITS:
+            _save(getattr(built, name), tmp / name)
+        return dict(
+            parts=parts, rows={n: len(getattr(built, n)) for n in SPLITS},
+            reports=[dataclasses.asdict(r) for r in built.reports], mixture=built.mixture,
+            tokenised=built.tokenised, seconds=time.perf_counter() - start, num_proc=num_proc,
+        )  # fmt: skip
+
+    manifest, problem = build_entry(folder, build, always=media is not None)
+    if problem is None and media is None:
+        return (
+            f"cache hit {folder} (tokenised {manifest['tokenised']} rows in "
+            f"{manifest['seconds']:.1f} s when built; no tokenisation now)"
+        )
     rebuilt = "" if problem in ("not built yet",) or media is not None else f"; rebuilt: {problem}"
     why = "; rebuilt at every start: the data holds media" if media is not None else rebuilt
-    return f"tokenised {built.tokenised} rows in {seconds:.1f} s (cached at {folder}{why})"
+    return (
+        f"tokenised {manifest['tokenised']} rows in {manifest['seconds']:.1f} s "
+        f"(cached at {folder}{why})"
+    )
 
 
 def open_prepared(folder: Path, *, note: str) -> Prepared:

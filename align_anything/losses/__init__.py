@@ -12,6 +12,8 @@ tasks turn config values into the keyword arguments. (Log-probs come from
 - `ppo`: PPO with a critic and REINFORCE++ — per-token rewards (score and k1 KL), GAE,
   discounted returns, whitening over the global batch, the clipped policy and value losses,
   explained variance, entropy.
+- `diffusion`: text-to-image — per-sample denoising MSE, min-SNR-γ weights, Diffusion-DPO
+  (sigmoid, hinge, IPO) and Diffusion-KTO on those MSEs.
 
 Every public name is re-exported here, so `from align_anything import losses; losses.X` works.
 The re-exports load their module on first use (PEP 562), so that importing `losses.rules`
@@ -25,6 +27,13 @@ from typing import Any
 
 # Public name -> the module that defines it.
 _EXPORTS: dict[str, str] = {
+    "DIFFUSION_DPO_LOSS_TYPES": "diffusion",
+    "DiffusionDPOOutput": "diffusion",
+    "denoising_loss": "diffusion",
+    "diffusion_dpo_loss": "diffusion",
+    "diffusion_kto_loss": "diffusion",
+    "min_snr_weights": "diffusion",
+    "per_sample_mse": "diffusion",
     "KTOLossOutput": "kto",
     "kto_kl_reference": "kto",
     "kto_loss": "kto",

@@ -10,5 +10,8 @@
 - `lora`: adapters (PEFT), saving them from gathered weights, merging them.
 - `ema`: an exponential moving average of the trained weights, under every ZeRO stage.
 - `tied_embeddings`: one gradient buffer for a tied input embedding / LM head.
-- `sizes`: parameter counts and dimensions, for the memory planner.
+- `sizes`: parameter counts and dimensions, for the memory planner (denoisers too).
+- `diffusion/`: text-to-image diffusers pipelines (SD 1.x/2.x, SDXL, SD3, Flux): family and
+  parts, the denoiser and the frozen VAE / text encoders, denoiser LoRA, sampling grids, and the
+  tiny random pipelines of the tests.
 """

@@ -89,11 +89,23 @@ def refuse_remote_code(name_or_path: str, *, trust_remote_code: bool) -> None:
         )
 
 
+def refuse_pipeline(name_or_path: str, path: str) -> None:
+    """A `ModelError` for a diffusers text-to-image pipeline given to a language-model task
+    (transformers would only say it finds no config.json)."""
+    if (Path(path) / "model_index.json").is_file() and not (Path(path) / "config.json").is_file():
+        raise ModelError(
+            f"model.name_or_path={name_or_path!r} is a diffusers text-to-image pipeline "
+            "(model_index.json), not a language model: train it with a diffusion task, or give "
+            "this task a transformers model folder"
+        )
+
+
 def load_tokenizer(name_or_path: str, *, trust_remote_code: bool = False) -> Any:
     """The model's tokenizer, with a pad token (EOS when the tokenizer has none)."""
     from transformers import AutoTokenizer
 
     path = resolve_model_path(name_or_path)
+    refuse_pipeline(name_or_path, path)
     refuse_remote_code(path, trust_remote_code=trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -112,6 +124,7 @@ def load_config(
     from transformers import AutoConfig
 
     path = resolve_model_path(name_or_path, key=key)
+    refuse_pipeline(name_or_path, path)
     refuse_remote_code(path, trust_remote_code=trust_remote_code)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -1,6 +1,7 @@
 """Parameter counts and dimensions of a model, for the memory planner: from a model's config
 on the meta device (no weights loaded: planning a 70B model takes seconds), or from a built one
-(ZeRO-3 partitions report their full size)."""
+(ZeRO-3 partitions report their full size). Language models: `model_sizes`; text-to-image
+denoisers: `denoiser_sizes`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 import torch
 
 from align_anything.models import lora
+from align_anything.models.diffusion.adapters import add_denoiser_adapters
+from align_anything.models.diffusion.pipeline import PipelineInfo, empty_denoiser
 from align_anything.models.loading import count_parameters, empty_model, full_numel, load_config
 
 
@@ -36,14 +39,19 @@ def model_sizes(
     return sizes_of(model, config)
 
 
+def _largest_layer(model: torch.nn.Module) -> int:
+    """The most parameter elements any one module holds itself (ZeRO-3: whole parameters)."""
+    return max(
+        (sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()),
+        default=0,
+    )
+
+
 def sizes_of(model: torch.nn.Module, config: Any) -> ModelSizes:
     """Parameter counts of a built model (on the meta device, or a run's partitioned model:
     ZeRO-3 parameters report `ds_numel`) and the text model's dimensions from its config."""
     trainable, frozen = count_parameters(model)
-    largest = max(
-        (sum(full_numel(p) for p in m.parameters(recurse=False)) for m in model.modules()),
-        default=0,
-    )
+    largest = _largest_layer(model)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelSizes(
         total=trainable + frozen,
@@ -53,3 +61,25 @@ def sizes_of(model: torch.nn.Module, config: Any) -> ModelSizes:
         layers=int(text.num_hidden_layers),
         vocab=int(text.vocab_size),
     )
+
+
+@dataclass(frozen=True)
+class DenoiserSizes:
+    """A text-to-image denoiser's parameter counts, for the memory planner; `trainable` is
+    the LoRA adapters' only when adapters are given."""
+
+    total: int
+    trainable: int
+    largest_layer: int
+
+
+def denoiser_sizes(info: PipelineInfo, *, adapters: dict[str, Any] | None = None) -> DenoiserSizes:
+    """Parameter counts of a pipeline's denoiser built from its config on the meta device (no
+    weights read, no memory: a 12B Flux transformer counts in under a second); with `adapters`
+    (r, alpha, dropout, target_modules) LoRA adapters are added and only they train."""
+    with torch.device("meta"):
+        model = empty_denoiser(info)
+        if adapters:
+            add_denoiser_adapters(model, family=info.family, **adapters)
+    trainable, frozen = count_parameters(model)
+    return DenoiserSizes(trainable + frozen, trainable, _largest_layer(model))

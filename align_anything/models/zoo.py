@@ -10,6 +10,8 @@ Built-in names serve the offline default run and the tests:
   would otherwise differ from the model's own init).
 - `tiny-random-llava`, `tiny-random-qwen2-audio`: the same for an image-text and an audio-text
   model, with a processor made locally (built here).
+- `tiny-random-sd`, `-sd-v`, `-sdxl`, `-sd3`, `-flux`: tiny diffusers text-to-image pipelines,
+  one per family (built in `models/diffusion/tiny.py`), saved and loaded the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from align_anything import atomic
 from align_anything.config import names_a_missing_folder
 from align_anything.errors import ModelError
+from align_anything.models.diffusion.tiny import BUILTIN_PIPELINES
 
 TEXT_SIZE = 64  # hidden size of the tiny language models
 
@@ -203,7 +206,15 @@ BUILTIN_MODELS: dict[str, tuple[Callable[[Path], None], int]] = {
     # Image-text and audio-text: tiny encoders + tiny LM (builders above).
     "tiny-random-llava": (_build_tiny_llava, 1),
     "tiny-random-qwen2-audio": (_build_tiny_qwen2_audio, 1),
+    # Text-to-image: tiny diffusers pipelines, one per family (models/diffusion/tiny.py).
+    **BUILTIN_PIPELINES,
 }
+# What marks a complete model folder: a transformers model or a diffusers pipeline.
+MODEL_FILES = ("config.json", "model_index.json")
+
+
+def _complete(folder: Path) -> bool:
+    return any((folder / name).exists() for name in MODEL_FILES)
 
 
 def _materialise(name: str) -> Path:
@@ -213,11 +224,11 @@ def _materialise(name: str) -> Path:
 
     builder, version = BUILTIN_MODELS[name]
     target = cache_dir() / "models" / f"{name}-v{version}"
-    if (target / "config.json").exists():
+    if _complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(target) + ".lock"):
-        if (target / "config.json").exists():
+        if _complete(target):
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
         tmp.chmod(0o755)
@@ -239,10 +250,11 @@ def resolve_model_path(name_or_path: str, *, key: str = "model.name_or_path") ->
         return str(_materialise(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if not (path / "config.json").exists():
+        if not _complete(path):
             raise ModelError(
                 f"{key}={name_or_path!r}: folder has no config.json "
-                "(expected a Hugging Face model folder, e.g. output_dir/final)"
+                "(expected a Hugging Face model folder, e.g. output_dir/final) and no "
+                "model_index.json (a diffusers pipeline folder)"
             )
         return str(path)
     if names_a_missing_folder(name_or_path):

@@ -1,0 +1,569 @@
+"""A diffusers pipeline folder: its family, its parts, and loading them for training.
+
+A folder is a pipeline when it holds `model_index.json` (diffusers' own layout: one subfolder
+per part). The family follows from the denoiser's class and the parts present:
+
+| family | denoiser | text encoders | target |
+| --- | --- | --- | --- |
+| `sd` (SD 1.x / 2.x) | `UNet2DConditionModel` | one CLIP | epsilon or v (the scheduler's `prediction_type`) |
+| `sdxl` | `UNet2DConditionModel` with `addition_embed_type="text_time"` | two CLIP (pooled from the second) | epsilon or v; size and crop conditioning (`add_time_ids`) |
+| `sd3` | `SD3Transformer2DModel` | two CLIP with projection, T5 when the folder has it | flow velocity |
+| `flux` | `FluxTransformer2DModel` | CLIP (pooled) + T5 | flow velocity; packed latents, guidance embedding |
+
+`inspect_pipeline` reads only JSON files (the start-up checks and the memory planner need no
+weights). The trained denoiser loads on its own (`load_denoiser`; under ZeRO-3 built partitioned,
+see `backend.zero_init`); the VAE, text encoders, tokenizers and schedulers load as frozen
+modules outside any engine (`load_frozen_parts`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from align_anything.errors import ModelError, did_you_mean
+from align_anything.models.diffusion.families import (
+    DEFAULT_T5_LENGTH,
+    INDEX,
+    OPTIONAL_PARTS,
+    PIPELINE_CLASSES,
+    TEXT_ENCODERS,
+)
+
+
+def _tokenizer_of(encoder_part: str) -> str:
+    return encoder_part.replace("text_encoder", "tokenizer")
+
+
+@dataclass(frozen=True)
+class PipelineInfo:
+    """What a pipeline folder is, from its JSON files alone (no weights).
+
+    `prediction` is what the denoiser predicts and so the training target: "epsilon",
+    "v_prediction" (from the scheduler's `prediction_type`) or "flow" (velocity ε − x₀).
+    Latents are `(vae mean − shift_factor) × scaling_factor`; a latent pixel covers
+    `vae_scale_factor` image pixels per side."""
+
+    name: str
+    path: Path
+    family: str
+    denoiser_part: str  # "unet" or "transformer": the subfolder
+    denoiser_class: str
+    text_encoders: tuple[str, ...]  # the parts present, in the pipeline's order
+    prediction: str
+    scaling_factor: float
+    shift_factor: float
+    vae_scale_factor: int
+    latent_channels: int
+    default_resolution: int
+    components: dict[str, Any] = field(repr=False)  # model_index.json's part -> [lib, class]
+    denoiser_config: dict[str, Any] = field(repr=False)
+    scheduler_config: dict[str, Any] = field(repr=False)
+
+    @property
+    def flow(self) -> bool:
+        return self.prediction == "flow"
+
+    @property
+    def tokenizers(self) -> tuple[str, ...]:
+        return tuple(_tokenizer_of(part) for part in self.text_encoders)
+
+    @property
+    def pipeline_class(self) -> str:
+        return PIPELINE_CLASSES[self.family]
+
+    def part_path(self, part: str) -> Path:
+        return self.path / part
+
+    def describe(self) -> str:
+        """One line for the start-up summary."""
+        return (
+            f"{self.family} ({self.denoiser_class}, {self.prediction} target; text encoders: "
+            f"{', '.join(self.text_encoders)}; latents {self.latent_channels} channels, "
+            f"1/{self.vae_scale_factor} of the image side)"
+        )
+
+
+def is_pipeline_folder(path: str | Path) -> bool:
+    """Whether `path` is a local diffusers pipeline folder (it holds model_index.json)."""
+    return (Path(path).expanduser() / INDEX).is_file()
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{what}: {path} is missing") from None
+    except (OSError, ValueError) as err:
+        raise ModelError(f"{what}: {path} cannot be read as JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{what}: {path} holds no JSON object")
+    return data
+
+
+def _not_a_pipeline(name: str, folder: Path) -> ModelError:
+    """The error for a local folder without model_index.json, saying what it looks like."""
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, ValueError):
+            data = {}
+        architectures = data.get("architectures") or []
+        kind = (
+            "a transformers language model" if any("CausalLM" in a for a in architectures)
+            else f"a transformers model (model_type {data.get('model_type')!r})"
+            if "model_type" in data else "a single diffusers model, not a whole pipeline"
+        )  # fmt: skip
+        return ModelError(
+            f"model.name_or_path={name!r} is {kind}: a diffusion task needs a diffusers "
+            f"pipeline folder (with {INDEX} and its parts vae/, unet/ or transformer/, "
+            "text_encoder/, tokenizer/, scheduler/), e.g. tiny-random-sd or a folder saved by "
+            "DiffusionPipeline.save_pretrained"
+        )
+    present = sorted(p.name for p in folder.iterdir())[:12] if folder.is_dir() else []
+    return ModelError(
+        f"model.name_or_path={name!r} is not a diffusers pipeline folder: {folder / INDEX} is "
+        f"missing (found: {', '.join(present) or 'nothing'}). A pipeline folder holds "
+        f"{INDEX} and one subfolder per part; save one with DiffusionPipeline.save_pretrained"
+    )
+
+
+def resolve_pipeline_path(name_or_path: str) -> Path:
+    """The local folder of a built-in name (`tiny-random-sd`, ...), a local folder, or a hub
+    name already in the local Hugging Face cache; a `ModelError` naming the fix otherwise."""
+    from align_anything.models.diffusion.tiny import BUILTIN_PIPELINES
+    from align_anything.models.zoo import BUILTIN_MODELS, resolve_model_path
+
+    if name_or_path in BUILTIN_MODELS:
+        folder = Path(resolve_model_path(name_or_path))
+        if not is_pipeline_folder(folder):
+            raise _not_a_pipeline(name_or_path, folder)
+        return folder
+    folder = Path(name_or_path).expanduser()
+    if folder.exists():
+        if not is_pipeline_folder(folder):
+            raise _not_a_pipeline(name_or_path, folder)
+        return folder
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        hint = did_you_mean(name_or_path, BUILTIN_PIPELINES)
+        raise ModelError(
+            f"model.name_or_path={name_or_path!r}: no such folder{hint}; built-in pipelines: "
+            f"{', '.join(BUILTIN_PIPELINES)}"
+        )
+    try:  # a hub name: diffusers' own download (safetensors only), from the cache when offline
+        from diffusers import DiffusionPipeline
+
+        return Path(DiffusionPipeline.download(name_or_path, use_safetensors=True))
+    except Exception as err:
+        raise ModelError(
+            f"model.name_or_path={name_or_path!r} is not a local folder and could not be "
+            f"fetched as a diffusers pipeline from the hub ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200] if str(err) else ''}); download it first "
+            "(huggingface-cli download NAME --local-dir DIR) and give the folder"
+        ) from None
+
+
+def _component(index: dict[str, Any], part: str) -> tuple[str, str] | None:
+    entry = index.get(part)
+    if isinstance(entry, (list, tuple)) and len(entry) == 2 and all(entry):
+        return str(entry[0]), str(entry[1])
+    return None
+
+
+def _family(name: str, index: dict[str, Any], denoiser_class: str, config: dict) -> str:
+    if denoiser_class == "SD3Transformer2DModel":
+        return "sd3"
+    if denoiser_class == "FluxTransformer2DModel":
+        return "flux"
+    if denoiser_class == "UNet2DConditionModel":
+        if config.get("addition_embed_type") == "text_time":
+            if _component(index, "text_encoder") is None:
+                raise ModelError(
+                    f"model.name_or_path={name!r} is an SDXL refiner (no text_encoder): only "
+                    "text-to-image pipelines train here; use the SDXL base pipeline"
+                )
+            return "sdxl"
+        return "sd"
+    raise ModelError(
+        f"model.name_or_path={name!r}: its denoiser is a {denoiser_class}, which no diffusion "
+        "task here trains; supported: UNet2DConditionModel (SD 1.x/2.x, SDXL), "
+        "SD3Transformer2DModel (SD3), FluxTransformer2DModel (Flux)"
+    )
+
+
+def _check_parts(name: str, folder: Path, index: dict[str, Any], parts: Sequence[str]) -> None:
+    problems = []
+    for part in parts:
+        if _component(index, part) is None:
+            problems.append(f"{part} (not named in {INDEX})")
+        elif not (folder / part).is_dir():
+            problems.append(f"{part}/ (named in {INDEX}, but the subfolder is missing)")
+    if problems:
+        raise ModelError(
+            f"model.name_or_path={name!r}: the pipeline folder {folder} lacks "
+            f"{'; '.join(problems)}. Copy the whole pipeline folder (every part's subfolder)"
+        )
+
+
+def inspect_pipeline(name_or_path: str) -> PipelineInfo:
+    """What the pipeline folder (or built-in name) is, from its JSON files; a `ModelError`
+    naming what is missing for a folder that is not a usable text-to-image pipeline."""
+    folder = resolve_pipeline_path(name_or_path)
+    index = _read_json(folder / INDEX, f"model.name_or_path={name_or_path!r}")
+    denoiser_part = next((p for p in ("unet", "transformer") if _component(index, p)), None)
+    if denoiser_part is None:
+        raise ModelError(
+            f"model.name_or_path={name_or_path!r}: {folder / INDEX} names no denoiser (neither "
+            "unet nor transformer); it is not a text-to-image pipeline"
+        )
+    denoiser_class = _component(index, denoiser_part)[1]  # type: ignore[index]
+    _check_parts(name_or_path, folder, index, [denoiser_part, "vae", "scheduler"])
+    what = f"model.name_or_path={name_or_path!r}"
+    config = _read_json(folder / denoiser_part / "config.json", what)
+    family = _family(name_or_path, index, denoiser_class, config)
+    encoders = [p for p in TEXT_ENCODERS[family] if p not in OPTIONAL_PARTS or _component(index, p)]
+    _check_parts(name_or_path, folder, index, [x for p in encoders for x in (p, _tokenizer_of(p))])
+    scheduler = _read_json(folder / "scheduler" / "scheduler_config.json", what)
+    vae = _read_json(folder / "vae" / "config.json", what)
+    if family in ("sd3", "flux"):
+        prediction = "flow"
+    else:
+        prediction = scheduler.get("prediction_type") or "epsilon"
+        if prediction not in ("epsilon", "v_prediction"):
+            raise ModelError(
+                f"{what}: the scheduler's prediction_type is {prediction!r}; the denoising "
+                "tasks train epsilon or v_prediction UNets"
+            )
+    scale = 2 ** (len(vae.get("block_out_channels") or [0]) - 1)
+    return PipelineInfo(
+        name=name_or_path, path=folder, family=family, denoiser_part=denoiser_part,
+        denoiser_class=denoiser_class, text_encoders=tuple(encoders), prediction=prediction,
+        scaling_factor=float(vae.get("scaling_factor") or 0.18215),
+        shift_factor=float(vae.get("shift_factor") or 0.0), vae_scale_factor=scale,
+        latent_channels=int(vae.get("latent_channels", 4)),
+        default_resolution=int(config.get("sample_size") or 128) * scale,
+        components=index, denoiser_config=config, scheduler_config=scheduler,
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------- the denoiser
+
+
+def _denoiser_cls(info: PipelineInfo) -> type:
+    import diffusers
+
+    return getattr(diffusers, info.denoiser_class)
+
+
+def empty_denoiser(info: PipelineInfo, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The denoiser built from its config with fresh weights (under `torch.device("meta")`:
+    sizes only, no memory)."""
+    model = _denoiser_cls(info).from_config(info.denoiser_config)
+    return model.to(dtype) if dtype is not None else model
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The denoiser's safetensors files (one, or the shards an index names)."""
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index, str(folder))["weight_map"].values()))
+        return [folder / shard for shard in shards]
+    single = folder / "diffusion_pytorch_model.safetensors"
+    if single.is_file():
+        return [single]
+    pickled = sorted(p.name for p in folder.glob("*.bin"))
+    raise ModelError(
+        f"{folder} has no diffusion_pytorch_model.safetensors"
+        + (f" (only {', '.join(pickled)}: pickled weights are not loaded here; convert them "
+           "with diffusers: load the pipeline and save_pretrained(safe_serialization=True))"
+           if pickled else "")
+    )  # fmt: skip
+
+
+def load_denoiser(
+    info: PipelineInfo, *, dtype: torch.dtype, ds_config: dict[str, Any] | None = None
+) -> torch.nn.Module:
+    """The trained denoiser with the folder's weights, in train mode, every parameter
+    trainable. With a ZeRO-3 `ds_config` it is built partitioned (`deepspeed.zero.Init`) and
+    the weights are copied into the partitions one layer at a time (diffusers' own loader does
+    not know ZeRO-3), in the config's precision (its bf16 / fp16 section, else fp32, which
+    should be `dtype`); otherwise diffusers' `from_pretrained` loads it whole in `dtype`
+    (safetensors only)."""
+    from align_anything.backend import zero_init
+
+    folder = info.part_path(info.denoiser_part)
+    files = _weight_files(folder)
+    # Imported before zero.Init patches tensor creation: importing diffusers imports
+    # torch._dynamo, whose start-up checks fail under the patch.
+    cls = _denoiser_cls(info)
+    with zero_init.partitioned_construction(ds_config or {}) as partitioned:
+        if partitioned:
+            model = cls.from_config(info.denoiser_config)
+    if partitioned:
+        from safetensors import safe_open
+
+        handles = [safe_open(str(f), framework="pt") for f in files]
+        where = {key: h for h in handles for key in h.keys()}
+        expected = set(model.state_dict())
+        if set(where) != expected:
+            missing, unexpected = sorted(expected - set(where)), sorted(set(where) - expected)
+            raise ModelError(
+                f"{folder}: the weights do not match {info.denoiser_class}'s parameters "
+                f"(missing {missing[:5]}, unexpected {unexpected[:5]}); re-save the pipeline "
+                "with this diffusers version (DiffusionPipeline.save_pretrained)"
+            )
+        zero_init.load_into_partitions(model, lambda key: where[key].get_tensor(key))
+    else:
+        try:
+            model = cls.from_pretrained(
+                info.path, subfolder=info.denoiser_part, torch_dtype=dtype, use_safetensors=True
+            )
+        except (OSError, ValueError) as err:
+            raise ModelError(
+                f"cannot load the denoiser of {info.name} ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200]})"
+            ) from None
+    model.train()
+    model.requires_grad_(True)
+    return model
+
+
+# ----------------------------------------------------------------- the frozen parts
+
+
+def training_scheduler(info: PipelineInfo) -> Any:
+    """The noise scheduler that training draws timesteps from and adds noise with, from the
+    folder's scheduler config as diffusers' training scripts make it: `DDPMScheduler` for the
+    UNet families (whatever sampler the folder ships; the noise schedule and prediction_type
+    carry over), `FlowMatchEulerDiscreteScheduler` for the flow families."""
+    from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
+
+    cls = FlowMatchEulerDiscreteScheduler if info.flow else DDPMScheduler
+    return cls.from_config(info.scheduler_config)
+
+
+def _load_part(info: PipelineInfo, part: str, dtype: torch.dtype | None) -> Any:
+    import importlib
+
+    library, class_name = _component(info.components, part)  # type: ignore[misc]
+    if library not in ("diffusers", "transformers"):
+        raise ModelError(
+            f"{info.name}: part {part} is a {library}.{class_name}; only diffusers and "
+            "transformers parts load here (no custom code)"
+        )
+    cls = getattr(importlib.import_module(library), class_name)
+    kwargs: dict[str, Any] = {"subfolder": part}
+    if dtype is not None:
+        kwargs["use_safetensors"] = True
+        kwargs["torch_dtype" if library == "diffusers" else "dtype"] = dtype
+    try:
+        return cls.from_pretrained(str(info.path), **kwargs)
+    except (OSError, ValueError) as err:
+        raise ModelError(
+            f"cannot load part {part} of {info.name} ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200]})"
+        ) from None
+
+
+def _frozen(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    module.to(device)
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
+@dataclass
+class FrozenParts:
+    """The parts of a pipeline that do not train: VAE, text encoders and tokenizers (in eval
+    mode, no gradients, the run's dtype, whole on every rank, outside any engine), the
+    folder's sampling scheduler and the training noise scheduler."""
+
+    info: PipelineInfo
+    vae: Any
+    text_encoders: dict[str, Any]
+    tokenizers: dict[str, Any]
+    scheduler: Any  # the folder's own (sampling)
+    noise_scheduler: Any  # training: see `training_scheduler`
+    max_sequence_length: int | None  # T5 tokens of SD3 / Flux prompts
+    _text_pipeline: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.vae.parameters()).device
+
+    def pipeline(self, denoiser: torch.nn.Module | None) -> Any:
+        """The family's text-to-image pipeline object over these modules and `denoiser` (None
+        for the text side only: a denoiser on the meta device stands in, whose config the
+        prompt encoding reads, e.g. SD3 without T5): references, no copies. No progress bar."""
+        import diffusers
+
+        if denoiser is None:
+            with torch.device("meta"):
+                denoiser = empty_denoiser(self.info)
+        cls = getattr(diffusers, self.info.pipeline_class)
+        expected, optional = cls._get_signature_keys(cls)
+        parts: dict[str, Any] = {
+            "vae": self.vae, "scheduler": self.scheduler, self.info.denoiser_part: denoiser,
+            **self.text_encoders, **self.tokenizers,
+        }  # fmt: skip
+        kwargs = {name: parts.get(name) for name in expected}
+        if "requires_safety_checker" in optional:
+            kwargs["requires_safety_checker"] = False
+        pipe = cls(**kwargs)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @torch.no_grad()
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Scaled latents of images in [-1, 1] ([B, 3, H, W]): the VAE posterior's mean,
+        `(mean − shift_factor) × scaling_factor`. The mean, not a draw from the posterior:
+        the cache then holds one deterministic latent per image, independent of the batch it
+        was encoded in (the SD VAEs' posterior std is small beside the noise training adds)."""
+        vae = self.vae
+        pixels = pixels.to(device=self.device, dtype=vae.dtype)
+        mean = vae.encode(pixels).latent_dist.mean
+        return (mean - self.info.shift_factor) * self.info.scaling_factor
+
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] from scaled latents (the inverse of `encode_images`)."""
+        latents = latents.to(device=self.device, dtype=self.vae.dtype)
+        return self.vae.decode(latents / self.info.scaling_factor + self.info.shift_factor).sample
+
+    @torch.no_grad()
+    def encode_prompts(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The text conditioning of each caption, through the family's own pipeline
+        `encode_prompt` (so training sees exactly what sampling feeds the denoiser):
+        `prompt_embeds` [B, L, D] and, except for SD 1.x/2.x, `pooled_prompt_embeds` [B, P]."""
+        if self._text_pipeline is None:  # built once: the meta denoiser takes a moment
+            self._text_pipeline = self.pipeline(None)
+        pipe = self._text_pipeline
+        captions, device = list(captions), self.device
+        family = self.info.family
+        if family == "sd":
+            embeds, _ = pipe.encode_prompt(captions, device, 1, False)
+            return {"prompt_embeds": embeds}
+        if family == "sdxl":
+            embeds, _, pooled, _ = pipe.encode_prompt(
+                captions, device=device, do_classifier_free_guidance=False
+            )
+        elif family == "sd3":
+            embeds, _, pooled, _ = pipe.encode_prompt(
+                captions, None, None, device=device, do_classifier_free_guidance=False,
+                max_sequence_length=self.max_sequence_length,
+            )  # fmt: skip
+        else:
+            embeds, pooled, _ = pipe.encode_prompt(
+                captions, None, device=device, max_sequence_length=self.max_sequence_length
+            )
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+
+def load_frozen_parts(
+    info: PipelineInfo, *, dtype: torch.dtype, device: torch.device | str = "cpu",
+    max_sequence_length: int | None = None,
+) -> FrozenParts:  # fmt: skip
+    """VAE, text encoders and tokenizers (frozen, in `dtype` on `device`) and the schedulers.
+    Built whole even inside a ZeRO-3 run (`backend.zero_init.whole_models`): they stay outside
+    the trained engine's partition. `max_sequence_length`: T5 tokens per prompt for SD3 / Flux
+    (None: the pipeline's default, at most the T5 tokenizer's `model_max_length`)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    from align_anything.backend.zero_init import whole_models
+
+    with whole_models():
+        vae = _frozen(_load_part(info, "vae", dtype), device)
+        encoders = {p: _frozen(_load_part(info, p, dtype), device) for p in info.text_encoders}
+        tokenizers = {p: _load_part(info, p, None) for p in info.tokenizers}
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # "steps_offset should be 1" of old SD folders
+    try:
+        scheduler = _load_part(info, "scheduler", None)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    length = max_sequence_length
+    if length is None and info.family in DEFAULT_T5_LENGTH:
+        t5 = tokenizers.get("tokenizer_3" if info.family == "sd3" else "tokenizer_2")
+        limit = getattr(t5, "model_max_length", None) or DEFAULT_T5_LENGTH[info.family]
+        length = min(DEFAULT_T5_LENGTH[info.family], int(limit))
+    return FrozenParts(
+        info=info, vae=vae, text_encoders=encoders, tokenizers=tokenizers, scheduler=scheduler,
+        noise_scheduler=training_scheduler(info), max_sequence_length=length,
+    )  # fmt: skip
+
+
+def denoiser_from_state_dict(
+    info: PipelineInfo, state_dict: dict[str, torch.Tensor], *,
+    adapters: dict[str, Any] | None = None,
+) -> torch.nn.Module:  # fmt: skip
+    """A whole denoiser on the CPU with the weights of a full (gathered) state dict of the
+    run's denoiser, for export from any ZeRO stage; with `adapters` (the run's LoRA settings:
+    r, alpha, dropout, target_modules) the adapter is rebuilt, loaded and merged into the base
+    weights, so the result is a plain diffusers model."""
+    from align_anything.models.diffusion.adapters import add_denoiser_adapters, merge_adapters
+
+    model = empty_denoiser(info)
+    if adapters:
+        add_denoiser_adapters(model, family=info.family, **adapters)
+    model.load_state_dict(state_dict, strict=True)
+    return merge_adapters(model).eval()
+
+
+def save_pipeline(parts: FrozenParts, denoiser: torch.nn.Module, out: Path) -> Path:
+    """Write a complete diffusers folder (every part, the folder's own sampling scheduler) that
+    `DiffusionPipeline.from_pretrained(out)` loads, atomically (`atomic.folder`): `final/`.
+    `denoiser` is a whole model without adapters (`denoiser_from_state_dict`)."""
+    from align_anything import atomic
+
+    with atomic.folder(Path(out)) as tmp:
+        parts.pipeline(denoiser).save_pretrained(tmp, safe_serialization=True)
+    return Path(out)
+
+
+# ----------------------------------------------------------------- identity, for the cache key
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _folder_digest(folder: Path) -> list[list[Any]]:
+    rows = []
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.name.startswith("."):
+            stat = path.stat()
+            rows.append([str(path.relative_to(folder)), stat.st_size,
+                         _file_digest(str(path), stat.st_size, stat.st_mtime_ns)])  # fmt: skip
+    return rows
+
+
+def encoder_identity(
+    info: PipelineInfo, *, max_sequence_length: int | None, dtype: torch.dtype
+) -> str:
+    """A hash of what turns an image and a caption into cached latents and text embeddings:
+    the VAE's and every text encoder's and tokenizer's files (configs and weights, each file's
+    size and xxh3-64 digest; remembered per file size and modification time within a process),
+    the family's encoding choices and the dtype they ran in."""
+    parts = ["vae", *info.text_encoders, *info.tokenizers]
+    content: dict[str, Any] = {p: _folder_digest(info.part_path(p)) for p in parts}
+    content["encoding"] = {
+        "family": info.family, "scaling_factor": info.scaling_factor,
+        "shift_factor": info.shift_factor, "max_sequence_length": max_sequence_length,
+        "dtype": str(dtype), "latent": "posterior mean",
+    }  # fmt: skip
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:20]
