@@ -80,6 +80,7 @@ class DPO:
     count_unit: str = "samples"
     metric_keys: tuple[str, ...] = METRICS
     eval_loss: bool = True
+    eval_off: str | None = None
     reference_free: bool = field(default=False)
 
     def collate(self, rows: list[dict]) -> PairBatch:

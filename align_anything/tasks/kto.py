@@ -253,6 +253,7 @@ class KTO:
                                     "logps/chosen", "logps/rejected", "count/chosen",
                                     "count/rejected")  # fmt: skip
     eval_loss: bool = True
+    eval_off: str | None = None
 
     # ------------------------------------------------------------------ rows and batches
 
