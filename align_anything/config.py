@@ -806,7 +806,7 @@ class RunConfig(_Section):
     """The validated configuration of one run. Built only by `load_config`."""
 
     task: str = Field(
-        description="The trainer: sft, dpo, rm, kto, grpo or rloo (a file in configs/task/)."
+        description="The task: sft, dpo, rm, kto, grpo or rloo (a file in configs/task/)."
     )
     deepspeed: dict[str, Any] = Field(
         description="A shipped preset name (`python -m align_anything presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."
