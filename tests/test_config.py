@@ -116,8 +116,8 @@ def test_unknown_task_reported_with_other_mistakes() -> None:
 
 
 def test_unknown_task_lists_valid_ones() -> None:
-    message = config_error(["task=dpp"])
-    assert "task='dpp': unknown task (did you mean 'dpo'?)" in message
+    message = config_error(["task=dpq"])  # (dpp is as close to ppo as to dpo)
+    assert "task='dpq': unknown task (did you mean 'dpo'?)" in message
     assert "Available tasks: dpo, grpo, kto, ppo, rloo, rm, sft." in message
 
 

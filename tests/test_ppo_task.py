@@ -66,7 +66,9 @@ def models() -> tuple[torch.nn.Module, torch.nn.Module, ValueModel]:
     return policy, reference, critic
 
 
-def make_task(policy: torch.nn.Module, critic: ValueModel | None, rl: PPOSection) -> online.OnlineRL:
+def make_task(
+    policy: torch.nn.Module, critic: ValueModel | None, rl: PPOSection
+) -> online.OnlineRL:
     algorithm = PPO(rl, critic, None, world=1, grad_accum=1)  # type: ignore[arg-type]
     return online.OnlineRL(
         algorithm=algorithm, rl=rl, policy=policy, generator=None, rewards=None,
@@ -194,16 +196,21 @@ def test_one_ppo_step_against_a_hand_computation(models) -> None:
         assert got["policy"] == pytest.approx(float(want_policy), abs=1e-6), attempt
         assert got["critic"] == pytest.approx(float(want_value), rel=1e-5, abs=1e-7), attempt
         assert float(out.metrics["clip_ratio"]) / tokens == pytest.approx(clip_frac), attempt
-        assert float(out.metrics["value_clip_fraction"]) / tokens == pytest.approx(
-            value_clip_frac
-        )
-        hand_grads = [p.grad for p in [*policy.parameters(), *critic.parameters()]]
+        assert float(out.metrics["value_clip_fraction"]) / tokens == pytest.approx(value_clip_frac)
+        hand_grads = [p.grad.clone() for p in [*policy.parameters(), *critic.parameters()]]
         for mine, hand in zip(task_grads, hand_grads, strict=True):
             torch.testing.assert_close(mine, hand, rtol=1e-4, atol=1e-6)
-        before = [p.detach().clone() for p in policy.parameters()]
+        # The update: the task's gradients give θ − lr·(the hand gradient), for both models.
+        before = [p.detach().clone() for p in [*policy.parameters(), *critic.parameters()]]
+        rates = [0.5] * len(list(policy.parameters())) + [1e-4] * len(list(critic.parameters()))
+        for param, grad in zip([*policy.parameters(), *critic.parameters()], task_grads,
+                               strict=True):  # fmt: skip
+            param.grad = grad
         actor_opt.step(), critic_opt.step()
-        moved = max(float((p - q).abs().max()) for p, q in zip(policy.parameters(), before))
-        assert moved > 0
+        after = [*policy.parameters(), *critic.parameters()]
+        for param, old_value, hand, rate in zip(after, before, hand_grads, rates, strict=True):
+            torch.testing.assert_close(param.detach(), old_value - rate * hand, rtol=1e-5,
+                                       atol=1e-6)  # fmt: skip
         if attempt == "on-policy":
             # Ratio 1: the whitened advantages average to 0 over the round's tokens.
             assert got["policy"] == pytest.approx(0.0, abs=1e-6)
@@ -242,7 +249,9 @@ def test_reinforce_plus_plus_advantages_by_hand(models, baseline: bool) -> None:
     task.algorithm.attach_advantages([batch], torch.tensor(SCORES), rank=0, world=1)
     scores = list(SCORES)
     if baseline:  # groups of 2: rows 0-1 and 2-3
-        scores = [s - (scores[b // 2 * 2] + scores[b // 2 * 2 + 1]) / 2 for b, s in enumerate(scores)]
+        scores = [
+            s - (scores[b // 2 * 2] + scores[b // 2 * 2 + 1]) / 2 for b, s in enumerate(scores)
+        ]
     returns = []
     for b in range(4):
         old, ref = batch.old_logps[b], batch.ref_logps[b]

@@ -311,6 +311,8 @@ class SequenceAdvantages:
             "advantages/mean": float(advantages.mean()),
             "advantages/std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
         }
+        if bool(torch.isnan(rewards).all()):
+            metrics = {}  # no reward had an opinion: every advantage is 0, nothing to show
         return mine.tolist(), metrics
 
     def for_step(self, batches: list[RolloutBatch], step: int) -> None:
@@ -416,6 +418,7 @@ class OnlineRL:
     count_unit: str = "tokens"
     metric_keys: tuple[str, ...] = ("loss",)
     eval_loss: bool = False
+    eval_off: str | None = None  # why the held-out evaluation is off (eval_samples=0)
 
     def collate(self, rows: list[dict]) -> RolloutBatch:
         """prompt + completion per row, right-padded; labels on the completion only; the loss
@@ -741,6 +744,14 @@ class Rollouts:
             | advantage_metrics
             | extra
         )
+        if metrics["frac_reward_none"] == 1.0 and self.rank == 0:
+            print(
+                f"warning: step {step + 1}: no reward had an opinion on any of its "
+                f"{int(gathered.numel())} completions (every reward returned None), so every "
+                "advantage is 0 and the step changes nothing; check the reward functions' "
+                "fields and conditions",
+                flush=True,
+            )
         table = []
         every = self.logging.completions_every
         if every and (step + 1) % every == 0:
@@ -847,9 +858,14 @@ def round_metrics(
     all_lengths = [n for s in stats for n in s[0]]
     all_cut = [c for s in stats for c in s[1]]
     seconds = max(s[2] for s in stats)
+    none = torch.isnan(rewards)
     metrics = {
         "reward": float(torch.nanmean(rewards)),
         "reward_std": float(nanstd(rewards)),
+        # Completions no reward had an opinion on (every function said None): they get
+        # advantage 0. When that is all of them the step trains nothing: no figure of
+        # rewards or advantages is logged for it (see `Rollouts.rollout`'s warning).
+        "frac_reward_none": float(none.double().mean()),
         "completions/mean_length": sum(all_lengths) / len(all_lengths),
         "completions/max_length": float(max(all_lengths)),
         "completions/min_length": float(min(all_lengths)),
@@ -865,6 +881,8 @@ def round_metrics(
         values = torch.tensor([v for s in stats for v in s[3][name]], dtype=torch.float64)
         metrics[f"rewards/{name}/mean"] = float(torch.nanmean(values))
         metrics[f"rewards/{name}/std"] = float(nanstd(values))
+    if bool(none.all()):
+        metrics.pop("frac_reward_zero_std", None)
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
@@ -939,5 +957,7 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         completion_only=completion_only_logits(cfg, policy), share_prefix=share_prefix,
         mask_dtype=mask_dtype(policy.module), rank=run.dist.rank, world=run.dist.world_size,
         name=cfg.task,
+        eval_off=f"{cfg.task}.eval_samples=0 switches the held-out evaluation off"
+        if rl.eval_samples == 0 else None,
     )  # fmt: skip
     return task, Rollouts(run, task, frozen, sizes)

@@ -103,24 +103,21 @@ def train_step(run: Run, task: Task, source: StepSource) -> StepResult:
         stop_on_nonfinite(run, ["grad_norm"], [grad_norm])
     result = StepResult(dict(zip(keys, values, strict=True)), items, tokens, rate, grad_norm)
     for name in sorted(stepped - {"policy"}):
-        # An engine trained beside the policy (PPO's critic): its norm and rate, logged as
-        # `grad_norm/<name>` and `learning_rate/<name>` (the step's figures, as items-weighted
-        # sums like the round's figures below).
+        # An engine trained beside the policy (PPO's critic): its rate and norm, per-step
+        # figures `learning_rate/<name>` and `grad_norm/<name>`.
         norm = run.engines[name].grad_norm()
         if norm is not None and not math.isfinite(norm):
             stop_on_nonfinite(run, [f"grad_norm/{name}"], [norm])
-        figures = {f"learning_rate/{name}": run.engines[name].learning_rate()}
+        result.figures[f"learning_rate/{name}"] = run.engines[name].learning_rate()
         if norm is not None:
-            figures[f"grad_norm/{name}"] = norm
-        for key, value in figures.items():
-            result.sums[key] = value * result.items
+            result.figures[f"grad_norm/{name}"] = norm
     if produced.metrics or produced.seconds:
         # Figures of the step's production (an online-RL round: rewards, lengths, generation
         # speed), and the training throughput without the time it took.
         seconds = time.perf_counter() - start - produced.seconds
-        figures = {**produced.metrics, "train/tokens_per_second": tokens / max(seconds, 1e-9)}
-        for key, value in figures.items():
-            result.sums[key] = value * result.items
+        result.figures.update(
+            {**produced.metrics, "train/tokens_per_second": tokens / max(seconds, 1e-9)}
+        )
     if produced.table and run.dist.is_main:
         completions_table(
             produced.table, step=run.state.step, logger=run.logger,
