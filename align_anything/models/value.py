@@ -90,6 +90,13 @@ class ValueModel(torch.nn.Module):
         )[0]
         return head(hidden).squeeze(-1)
 
+    def exported(
+        self, state: Mapping[str, Tensor] | None
+    ) -> tuple[torch.nn.Module, dict[str, Tensor] | None]:
+        """What an export writes for this critic, from an engine's gathered state dict: the
+        wrapped reward model (a PEFT model: its adapter) and its own state dict."""
+        return self.scorer, self.scorer_state(state)
+
     @staticmethod
     def scorer_state(state: Mapping[str, Tensor] | None) -> dict[str, Tensor] | None:
         """A gathered state dict of the ValueModel (an engine's `full_state_dict()`; None on
