@@ -51,22 +51,40 @@ def ppo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     return {
         # Global batch 8 completions = 2 prompts x 4; a round = 2 mini-batches = 4 prompts.
         "single": launch(
-            [*PPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8",
-             "checkpoint.every_steps=1", "checkpoint.keep_last=10"],
+            [
+                *PPO_ARGS,
+                "deepspeed=z0",
+                "train.per_device_batch_size=8",
+                "checkpoint.every_steps=1",
+                "checkpoint.keep_last=10",
+            ],
             root / "single",
         ),  # fmt: skip
         # 2 ranks under ZeRO-3 (actor, critic, reference all partitioned), a checkpoint inside
         # the first round for the resume across stages and world sizes below.
         "z3-2ranks": launch(
-            [*PPO_ARGS, "deepspeed=z3", "train.per_device_batch_size=4",
-             "checkpoint.every_steps=2", "checkpoint.keep_last=5"],
-            root / "z3", launcher="deepspeed", nproc=2,
+            [
+                *PPO_ARGS,
+                "deepspeed=z3",
+                "train.per_device_batch_size=4",
+                "checkpoint.every_steps=2",
+                "checkpoint.keep_last=5",
+            ],
+            root / "z3",
+            launcher="deepspeed",
+            nproc=2,
         ),  # fmt: skip
         # 1 rank, 2 micro-batches of 4, every speed switch off.
         "accum-plain": launch(
-            [*PPO_ARGS, "deepspeed=z2", "train.per_device_batch_size=4",
-             "train.gradient_accumulation_steps=2", "speed.completion_only_logits=false",
-             "speed.tied_grads_in_place=false", "speed.share_prefix=false"],
+            [
+                *PPO_ARGS,
+                "deepspeed=z2",
+                "train.per_device_batch_size=4",
+                "train.gradient_accumulation_steps=2",
+                "speed.completion_only_logits=false",
+                "speed.tied_grads_in_place=false",
+                "speed.share_prefix=false",
+            ],
             root / "accum",
         ),  # fmt: skip
     }
@@ -90,11 +108,29 @@ def test_ppo_trains_two_engines_against_frozen_losses(ppo_runs: dict[str, RunRes
     run = ppo_runs["single"].check()
     steps = run.train_steps()
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
-    for key in ("reward", "reward_with_kl", "kl", "loss", "policy_loss", "value_loss",
-                "value_clip_fraction", "clip_ratio", "approx_kl", "explained_variance",
-                "returns/mean", "returns/std", "advantages/mean", "advantages/std",
-                "values/mean", "entropy", "completions/mean_length", "grad_norm",
-                "grad_norm/critic", "learning_rate/critic", "rewards/length_penalty/mean"):
+    for key in (
+        "reward",
+        "reward_with_kl",
+        "kl",
+        "loss",
+        "policy_loss",
+        "value_loss",
+        "value_clip_fraction",
+        "clip_ratio",
+        "approx_kl",
+        "explained_variance",
+        "returns/mean",
+        "returns/std",
+        "advantages/mean",
+        "advantages/std",
+        "values/mean",
+        "entropy",
+        "completions/mean_length",
+        "grad_norm",
+        "grad_norm/critic",
+        "learning_rate/critic",
+        "rewards/length_penalty/mean",
+    ):
         assert all(key in m for m in steps), key  # fmt: skip
     assert steps[0]["learning_rate/critic"] == pytest.approx(1e-3)
     # One round per 4 steps: its figures repeat, the next round's differ.

@@ -82,7 +82,9 @@ def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
     assert [m["step"] for m in run.train_steps()] == list(range(1, STEPS + 1))
     # Only rank 0 logs: one start-up summary, one progress line per step.
     assert (
-        len(re.findall(r"^align_anything (sft|dpo|rm|kto|grpo|rloo|ppo)$", run.output, re.MULTILINE))
+        len(
+            re.findall(r"^align_anything (sft|dpo|rm|kto|grpo|rloo|ppo)$", run.output, re.MULTILINE)
+        )
         == 1
     )
     for step in range(1, STEPS + 1):
