@@ -32,17 +32,29 @@ PPO_ARGS = [
     "task=ppo", *COMMON, *DATA, f"train.max_steps={STEPS}", "train.learning_rate=1e-3",
     "ppo.num_generations=4", "ppo.max_completion_length=8", "ppo.eval_samples=2",
     "ppo.num_ppo_epochs=2", "ppo.num_mini_batches=2", "ppo.critic_learning_rate=1e-3",
+    # Pinned here, not left to configs/task/ppo.yaml, whose defaults follow the main job.
+    "ppo.critic_init=policy", "ppo.kl_coef=0.05", "ppo.value_clip=0.2", "ppo.reward_clip=10.0",
+    "ppo.gamma=1.0", "ppo.lam=0.95", "ppo.temperature=1.0", "ppo.epsilon=0.2",
+    "ppo.critic_lr_scheduler=constant", "train.lr_scheduler=constant",
     f"reward.functions=[{LENGTH}]", "checkpoint.save_final=false",
 ]  # fmt: skip
 # Frozen per-step losses of the 1-rank run (torch 2.13 CPU / deepspeed 0.19.8 / transformers
 # 5.24): the policy loss and the critic's value loss. Step 1 is on-policy (ratio 1: the
 # whitened advantages average to 0 over the round, but not over one mini-batch). Change them
 # only for an intended change of the model, data, sampling or loss, and say so in the commit.
-PPO_FROZEN = None
-VALUE_FROZEN = None
+PPO_FROZEN = [
+    -0.02996573969721794, 0.03247027099132538, -0.19265078008174896, -0.042164839804172516,
+    -0.133777916431427, 0.134177103638649,
+]  # fmt: skip
+VALUE_FROZEN = [
+    0.019050560891628265, 0.0652880147099495, 0.0043350700289011, 0.013506237417459488,
+    0.0020531052723526955, 0.005589792039245367,
+]  # fmt: skip
 FROZEN_RTOL = 1e-4
-# 2 ranks vs 1, accumulation vs none: fp32 summation order only.
+# 2 ranks vs 1, accumulation vs none: fp32 summation order only (relative for the explained
+# variance, whose scale is that of Var[R − V] / Var[R]).
 ATOL = 1e-5
+RTOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +113,7 @@ def _same_steps(a: RunResult, b: RunResult, *, atol: float = ATOL, exact: bool =
             if exact:
                 assert x[key] == y[key], (x["step"], key)
             else:
-                assert x[key] == pytest.approx(y[key], abs=atol), (x["step"], key)
+                assert x[key] == pytest.approx(y[key], rel=RTOL, abs=atol), (x["step"], key)
 
 
 def test_ppo_trains_two_engines_against_frozen_losses(ppo_runs: dict[str, RunResult]) -> None:
@@ -137,18 +149,15 @@ def test_ppo_trains_two_engines_against_frozen_losses(ppo_runs: dict[str, RunRes
     assert steps[0]["reward"] == steps[3]["reward"] != steps[4]["reward"]
     assert steps[0]["kl"] == 0.0 and steps[4]["kl"] != 0.0  # policy = reference in round 1
     assert steps[0]["clip_ratio"] == 0.0 and steps[2]["clip_ratio"] > 0  # off-policy later
-    assert "critic" in run.summary_line("critic") or run.summary_line("critic")
+    assert "(policy): values at every token" in run.summary_line("critic")
     assert "2 passes x 2 mini-batches" in run.summary_line("generation")
     step1 = run.output_dir / "checkpoints" / "step-1"
     assert (step1 / "deepspeed-critic").is_dir() and (step1 / "rollout.json").is_file()
     assert not (run.output_dir / "checkpoints" / "step-4" / "rollout.json").exists()
     for phase in ("before", "after"):
         assert "eval/reward" in run.eval(phase)
-    print("PPO_FROZEN =", [m["loss"] for m in steps])
-    print("VALUE_FROZEN =", [m["value_loss"] for m in steps])
-    if PPO_FROZEN is not None:
-        assert run.losses() == pytest.approx(PPO_FROZEN, rel=FROZEN_RTOL, abs=1e-7)
-        assert [m["value_loss"] for m in steps] == pytest.approx(VALUE_FROZEN, rel=FROZEN_RTOL)
+    assert run.losses() == pytest.approx(PPO_FROZEN, rel=FROZEN_RTOL, abs=1e-7)
+    assert [m["value_loss"] for m in steps] == pytest.approx(VALUE_FROZEN, rel=FROZEN_RTOL)
 
 
 def test_ppo_two_ranks_zero3_and_accumulation_equal_one_rank(
@@ -259,7 +268,6 @@ def test_reinforce_plus_plus_trains_without_a_critic(estimator: str, tmp_path: P
     assert all("value_loss" not in m and "grad_norm/critic" not in m for m in steps)
     assert steps[0]["clip_ratio"] == 0.0 and steps[1]["clip_ratio"] >= 0.0
     assert not (run.output_dir / "checkpoints" / "step-1" / "deepspeed-critic").exists()
-    print(estimator, [m["loss"] for m in steps])
 
 
 def test_critic_warmup_and_ptx(tmp_path: Path) -> None:

@@ -310,3 +310,29 @@ def test_each_mini_batch_is_the_same_set_on_one_and_two_ranks() -> None:
     # Each pass covers the round once; the two passes order it differently.
     assert sorted(chosen(1, 0, 0) + chosen(1, 0, 1)) == list(range(16))
     assert chosen(1, 0, 0) + chosen(1, 0, 1) != chosen(1, 0, 2) + chosen(1, 0, 3)
+
+
+def test_the_memory_planner_and_deepspeed_auto_count_the_critic() -> None:
+    """The critic's weights, gradients and Adam moments (fp32 on CPU: 16 bytes a parameter
+    under ZeRO-0) and its activations join the policy's; `deepspeed=auto` with a budget that
+    fits the run without a critic but not with one leaves ZeRO-0."""
+    from align_anything import plan
+    from align_anything.config import load_config
+    from align_anything.models.sizes import model_sizes
+
+    base = ["task=ppo", "model.name_or_path=tiny-random-llama", "train.per_device_batch_size=8",
+            "ppo.num_generations=4", "train.precision=fp32"]  # fmt: skip
+    with_critic, *_ = plan.plan(load_config(base), world_size=1)
+    without, *_ = plan.plan(
+        load_config([*base, "ppo.advantage_estimator=reinforce_plus_plus"]), world_size=1
+    )
+    critic = model_sizes("tiny-random-llama", reward=True, trust_remote_code=False, adapters=None)
+    z0, z0_without = with_critic[0], without[0]
+    assert z0.preset == "z0"
+    assert z0.model_states - z0_without.model_states == pytest.approx(16 * critic.total)
+    assert z0.activations > z0_without.activations
+    for a, b in zip(with_critic, without, strict=True):
+        assert a.total > b.total, a.preset
+    budget = (z0.total + z0_without.total) / 2 / plan.HEADROOM
+    assert plan.choose(without, budget)[0].preset == "z0"
+    assert plan.choose(with_critic, budget)[0].preset != "z0"
