@@ -18,12 +18,21 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import COMMON, RunResult, finish, launch, spawn
+from conftest import COMMON, RunResult, finish, spawn
+from conftest import launch as conftest_launch
 
 from align_anything.rewards import length_penalty
 from align_anything.training import checkpoints
 
 pytestmark = pytest.mark.slow
+
+
+def launch(*args, **kwargs) -> RunResult:
+    """conftest's launch with a longer limit: a PPO run holds two trained engines, a reference
+    and the rounds' passes, several times a GRPO run's work (minutes on 2 shared cores)."""
+    kwargs.setdefault("timeout_s", 900)
+    return conftest_launch(*args, **kwargs)
+
 
 STEPS = 6  # a round of 4 steps, then half of the next
 DATA = ["data.path=arith-prompts", "data.eval_path=arith-prompts-eval"]
@@ -59,47 +68,35 @@ RTOL = 1e-4
 
 @pytest.fixture(scope="module")
 def ppo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
+    """The three runs start together (each its own process group) and are awaited in turn."""
     root = tmp_path_factory.mktemp("ppo")
-    return {
+    runs = {
         # Global batch 8 completions = 2 prompts x 4; a round = 2 mini-batches = 4 prompts.
-        "single": launch(
-            [
-                *PPO_ARGS,
-                "deepspeed=z0",
-                "train.per_device_batch_size=8",
-                "checkpoint.every_steps=1",
-                "checkpoint.keep_last=10",
-            ],
-            root / "single",
-        ),  # fmt: skip
+        "single": (
+            [*PPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8",
+             "checkpoint.every_steps=1", "checkpoint.keep_last=10"],
+            {},
+        ),
         # 2 ranks under ZeRO-3 (actor, critic, reference all partitioned), a checkpoint inside
         # the first round for the resume across stages and world sizes below.
-        "z3-2ranks": launch(
-            [
-                *PPO_ARGS,
-                "deepspeed=z3",
-                "train.per_device_batch_size=4",
-                "checkpoint.every_steps=2",
-                "checkpoint.keep_last=5",
-            ],
-            root / "z3",
-            launcher="deepspeed",
-            nproc=2,
-        ),  # fmt: skip
+        "z3-2ranks": (
+            [*PPO_ARGS, "deepspeed=z3", "train.per_device_batch_size=4",
+             "checkpoint.every_steps=2", "checkpoint.keep_last=5"],
+            {"launcher": "deepspeed", "nproc": 2},
+        ),
         # 1 rank, 2 micro-batches of 4, every speed switch off.
-        "accum-plain": launch(
-            [
-                *PPO_ARGS,
-                "deepspeed=z2",
-                "train.per_device_batch_size=4",
-                "train.gradient_accumulation_steps=2",
-                "speed.completion_only_logits=false",
-                "speed.tied_grads_in_place=false",
-                "speed.share_prefix=false",
-            ],
-            root / "accum",
-        ),  # fmt: skip
+        "accum-plain": (
+            [*PPO_ARGS, "deepspeed=z2", "train.per_device_batch_size=4",
+             "train.gradient_accumulation_steps=2", "speed.completion_only_logits=false",
+             "speed.tied_grads_in_place=false", "speed.share_prefix=false"],
+            {},
+        ),
+    }  # fmt: skip
+    started = {
+        name: (spawn(args, root / name, **options), root / name)
+        for name, (args, options) in runs.items()
     }
+    return {name: finish(proc, out, timeout_s=1500) for name, (proc, out) in started.items()}
 
 
 def _same_steps(a: RunResult, b: RunResult, *, atol: float = ATOL, exact: bool = False) -> None:
@@ -190,16 +187,22 @@ def test_ppo_resume_inside_a_round_continues_it_exactly(
         assert a["grad_norm"] == b["grad_norm"] and a["grad_norm/critic"] == b["grad_norm/critic"]
 
 
-def test_ppo_resume_across_zero_stages_and_world_sizes(
+def test_ppo_resume_across_world_sizes_and_the_refused_stage_change(
     ppo_runs: dict[str, RunResult], tmp_path: Path
 ) -> None:
-    """ZeRO-3 on 2 ranks -> ZeRO-2 on 1 rank from step 2 (inside the round): both engines'
+    """ZeRO-3 on 2 ranks -> ZeRO-3 on 1 rank from step 2 (inside the round): both engines'
     checkpoints are converted to DeepSpeed's universal format and loaded; the steps continue as
-    the 1-rank run's."""
+    the 1-rank run's. ZeRO-3 -> ZeRO-2, which DeepSpeed 0.19.8's universal loader cannot do, is
+    one error before any weights load."""
     z3 = ppo_runs["z3-2ranks"].check()
     step2 = z3.output_dir / "checkpoints" / "step-2"
-    resumed = launch(
+    refused = launch(
         [*PPO_ARGS, "deepspeed=z2", "train.per_device_batch_size=8", f"resume={step2}"],
+        tmp_path / "refused",
+    )  # fmt: skip
+    assert refused.returncode == 2 and "does not load a ZeRO-3 checkpoint into" in refused.output
+    resumed = launch(
+        [*PPO_ARGS, "deepspeed=z3", "train.per_device_batch_size=8", f"resume={step2}"],
         tmp_path / "universal",
     ).check()  # fmt: skip
     assert (step2 / "universal").is_dir() and (step2 / "universal-critic").is_dir()
@@ -216,9 +219,9 @@ def test_ppo_sigterm_writes_a_checkpoint_and_resume_continues_the_same_run(
     args = [*PPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8"]
     run_dir = tmp_path / "run"
     proc = spawn(args, run_dir)
-    _wait_for_step(proc, run_dir, 1)
+    _wait_for_step(proc, run_dir, 1, timeout_s=900)
     proc.send_signal(signal.SIGTERM)
-    stopped = finish(proc, run_dir)
+    stopped = finish(proc, run_dir, timeout_s=900)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.output[-3000:]
     at = max(m["step"] for m in stopped.train_steps())
     folder = run_dir / "checkpoints" / f"step-{at}"

@@ -336,3 +336,18 @@ def test_the_memory_planner_and_deepspeed_auto_count_the_critic() -> None:
     budget = (z0.total + z0_without.total) / 2 / plan.HEADROOM
     assert plan.choose(without, budget)[0].preset == "z0"
     assert plan.choose(with_critic, budget)[0].preset != "z0"
+
+
+def test_a_zero3_checkpoint_resumes_under_zero3_only() -> None:
+    """Cross-stage resume goes through DeepSpeed's universal checkpoint (every trained engine's
+    folder); DeepSpeed 0.19.8 cannot load one converted from ZeRO-3 into ZeRO-1/2, so that
+    change is refused before any weights load, naming the presets that work."""
+    from align_anything.backend.ds_config import universal_change
+    from align_anything.errors import ConfigError
+
+    assert universal_change(source_stage=3, source_world=2, stage=3, world=1) == (
+        "ZeRO-3 on 2 rank(s) -> ZeRO-3 on 1 rank(s)"
+    )
+    assert universal_change(source_stage=2, source_world=2, stage=3, world=1)
+    with pytest.raises(ConfigError, match="Resume with deepspeed=z3 or z3_offload"):
+        universal_change(source_stage=3, source_world=2, stage=2, world=1)
