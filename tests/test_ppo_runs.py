@@ -24,7 +24,8 @@ from conftest import launch as conftest_launch
 from align_anything.rewards import length_penalty
 from align_anything.training import checkpoints
 
-pytestmark = pytest.mark.slow
+# Slow (end-to-end), and several launches per test: minutes each on 2 shared cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 def launch(*args, **kwargs) -> RunResult:

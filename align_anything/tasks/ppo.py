@@ -426,8 +426,8 @@ def build(run: Run) -> tuple[online.OnlineRL, online.Rollouts]:
     }[rl.advantage_estimator]
     run.summary.append(
         f"  advantages      {estimator}; whitened over each round; KL penalty "
-        f"{rl.kl_coef:g} per token in the reward; {rl.num_ppo_epochs} passes x "
-        f"{rl.num_mini_batches} mini-batches per round"
+        f"{rl.kl_coef:g} per token in the reward; each round {rl.num_ppo_epochs} pass(es) x "
+        f"{rl.num_mini_batches} mini-batch(es)"
     )
     return online.build_online(run, algorithm)
 
