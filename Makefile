@@ -1,8 +1,9 @@
 # Two commands do everything on a fresh machine:
 #   make train   set up, then run the main job (DPO on the built-in model and data)
 #   make test    set up, then run the test suite (what CI runs)
-# and a third runs the RL main job:
+# and two more run the RL main jobs:
 #   make train-grpo  set up, then run GRPO on the built-in model and prompts
+#   make train-ppo   set up, then run the RLHF pipeline: SFT -> reward model -> PPO
 # and while developing:
 #   make test-fast   set up, then run the unit tests only (no end-to-end runs; under 2 minutes)
 # and to refresh the pinned versions (constraints.txt) after a test run on the newest releases:
@@ -19,7 +20,7 @@ PY := $(VENV)/bin/python
 # ~/.cache/torch_extensions rebuilt each other's ops whenever the other had built them last.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup train train-grpo test test-fast lint bench clean lock
+.PHONY: setup train train-grpo train-ppo test test-fast lint bench clean lock
 
 setup: $(VENV)/.installed
 
@@ -53,6 +54,20 @@ GRPO_RUN_DIR ?= outputs/grpo-$(shell date +%Y%m%d-%H%M%S)
 
 train-grpo: setup
 	$(PY) -m align_anything.train task=grpo deepspeed=z3 output_dir=$(GRPO_RUN_DIR)
+
+# The RLHF main job (README "The RLHF main job"), the classic pipeline in three runs: SFT of the
+# built-in model on arith-sft, a reward model from the SFT model on arith-pref, then PPO of the
+# built-in model on arith-prompts rewarded by that reward model, its critic started from it.
+PPO_RUN_DIR ?= outputs/rlhf-$(shell date +%Y%m%d-%H%M%S)
+
+train-ppo: setup
+	$(PY) -m align_anything.train task=sft deepspeed=z0 train.max_steps=8 \
+		train.learning_rate=5e-5 data.max_eval_samples=8 output_dir=$(PPO_RUN_DIR)/sft
+	$(PY) -m align_anything.train task=rm deepspeed=z0 model.name_or_path=$(PPO_RUN_DIR)/sft/final \
+		train.per_device_batch_size=8 train.learning_rate=5e-5 train.lr_scheduler=constant \
+		output_dir=$(PPO_RUN_DIR)/rm
+	$(PY) -m align_anything.train task=ppo deepspeed=z3 'reward.functions=[]' \
+		reward.model=$(PPO_RUN_DIR)/rm/final ppo.critic_init=reward_model output_dir=$(PPO_RUN_DIR)/ppo
 
 # `make test` runs everything; `make test-fast` leaves out the tests marked slow (end-to-end runs
 # of the trainer, the launchers and the scripts). Collecting no tests (pytest's exit 5) fails.

@@ -633,6 +633,15 @@ class _OnlineRL(_Section):
     def clip_range(self) -> tuple[float, float]:
         return self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high
 
+    def round_steps(self) -> tuple[int, int]:
+        """(passes over each generation round, mini-batches a round splits into): μ passes
+        over one global batch."""
+        return self.num_iterations, 1
+
+    def uses_reference(self) -> bool:
+        """Whether the run holds a frozen reference model (its KL term)."""
+        return self.beta > 0
+
 
 class GRPOSection(_OnlineRL):
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field(
@@ -782,6 +791,14 @@ class PPOSection(_Section):
     def clip_range(self) -> tuple[float, float]:
         return self.epsilon, self.epsilon if self.epsilon_high is None else self.epsilon_high
 
+    def round_steps(self) -> tuple[int, int]:
+        """(passes over each rollout, mini-batches, i.e. optimizer steps, per pass)."""
+        return self.num_ppo_epochs, self.num_mini_batches
+
+    def uses_reference(self) -> bool:
+        """Whether the run holds a frozen reference model (the KL penalty in the reward)."""
+        return self.kl_coef > 0
+
     def trains_critic(self) -> bool:
         """Whether the run has a critic (advantage_estimator=gae)."""
         return self.advantage_estimator == "gae"
@@ -806,7 +823,7 @@ class RunConfig(_Section):
     """The validated configuration of one run. Built only by `load_config`."""
 
     task: str = Field(
-        description="The task: sft, dpo, rm, kto, grpo or rloo (a file in configs/task/)."
+        description="The task: sft, dpo, rm, kto, grpo, rloo or ppo (a file in configs/task/)."
     )
     deepspeed: dict[str, Any] = Field(
         description="A shipped preset name (`python -m align_anything presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."
@@ -836,7 +853,8 @@ class RunConfig(_Section):
     kto: KTOSection | None = None
     grpo: GRPOSection | None = None
     rloo: RLOOSection | None = None
-    # Online RL only (set in task/grpo.yaml and task/rloo.yaml).
+    ppo: PPOSection | None = None
+    # Online RL only (set in task/grpo.yaml, task/rloo.yaml and task/ppo.yaml).
     reward: RewardSection | None = None
 
     @field_validator("resume", mode="before")
@@ -851,7 +869,10 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _room_for_prompts(self) -> RunConfig:
         online = self.section() if self.task in ONLINE_TASKS else None
-        if isinstance(online, _OnlineRL) and online.max_completion_length >= self.data.max_length:
+        if (
+            isinstance(online, (_OnlineRL, PPOSection))
+            and online.max_completion_length >= self.data.max_length
+        ):
             completion, limit = online.max_completion_length, self.data.max_length
             raise ValueError(
                 f"{self.task}.max_completion_length={completion} leaves no room for the prompt: "
@@ -859,6 +880,26 @@ class RunConfig(_Section):
                 f"data.max_length above {completion} by the longest prompt's tokens (e.g. "
                 f"data.max_length={completion + 128}), or lower {self.task}.max_completion_length "
                 f"below {limit}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _critic_source(self) -> RunConfig:
+        ppo = self.ppo if self.task == "ppo" else None
+        if ppo is None or not ppo.trains_critic():
+            return self
+        if ppo.critic_model is not None and names_a_missing_folder(ppo.critic_model):
+            raise ValueError(
+                f"ppo.critic_model={ppo.critic_model!r}: no such folder (give a task=rm final/ "
+                "folder for critic_init=reward_model, or the policy's for critic_init=policy)"
+            )
+        no_rm = self.reward is None or self.reward.model is None
+        if ppo.critic_model is None and ppo.critic_init == "reward_model" and no_rm:
+            raise ValueError(
+                "ppo.critic_init=reward_model starts the critic from the reward model, but "
+                "reward.model is null: set reward.model (a task=rm final/ folder) or "
+                "ppo.critic_model, or use ppo.critic_init=policy (a new value head on the "
+                "policy's weights)"
             )
         return self
 
@@ -875,10 +916,10 @@ class RunConfig(_Section):
 # Task name -> the schema of its own config section.
 TASK_SECTIONS: dict[str, type[BaseModel]] = {
     "sft": SFTSection, "dpo": DPOSection, "rm": RMSection, "kto": KTOSection,
-    "grpo": GRPOSection, "rloo": RLOOSection,
+    "grpo": GRPOSection, "rloo": RLOOSection, "ppo": PPOSection,
 }  # fmt: skip
 # Tasks that generate online and so take the `reward` section.
-ONLINE_TASKS = ("grpo", "rloo")
+ONLINE_TASKS = ("grpo", "rloo", "ppo")
 
 
 def names_a_missing_folder(name_or_path: str) -> bool:

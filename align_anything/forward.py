@@ -11,7 +11,9 @@
   logits, chunked over the sequence so the fp32 softmax never exists for the whole batch.
 - `sequence_scores`: a reward model's score per sequence.
 - `completion_token_logps` (with `…_and_entropy`), `completion_token_values`: online RL's
-  per-token log-probs, entropy and critic values of the completion tokens, left-aligned [B, C].
+  per-token log-probs, entropy and critic values of the completion tokens, left-aligned [B, C];
+  `sequence_token_logps_and_entropy` and `sequence_token_values` do the same for either layout
+  of a prompt's completions (plain rows, or one shared-prompt row).
 
 Label convention (shared with the data pipeline): `labels` has the shape of `input_ids`,
 positions that are not scored (prompt, padding, media placeholders) hold `IGNORE_INDEX` (-100),
@@ -189,15 +191,56 @@ def sequence_token_logps(
     sequence's completion after its prompt."""
     if isinstance(layout, SharedPrefix):
         flat = shared_prefix_token_logps(model, layout, completion_only=completion_only)
-        lengths = torch.bincount(layout.score_sequences, minlength=layout.num_sequences)
-        lengths = lengths.to(flat.device)
-        slots = torch.arange(width, device=flat.device)[None, :] < lengths[:, None]
-        out = torch.zeros(lengths.shape[0], width, dtype=flat.dtype, device=flat.device)
-        return out.masked_scatter(slots, flat)
+        return _shared_left_aligned(flat, layout, width)
     logps = completion_token_logps(model, layout, completion_only=completion_only)
-    if logps.shape[1] < width:
-        logps = torch.nn.functional.pad(logps, (0, width - logps.shape[1]))
-    return logps
+    return _pad_width(logps, width)
+
+
+def sequence_token_logps_and_entropy(
+    model: Any, layout: Rows | SharedPrefix, *, width: int, completion_only: bool
+) -> tuple[Tensor, Tensor]:
+    """`sequence_token_logps` and, from the same logits, the entropy of the distribution each
+    completion token was chosen from ([S, width] each, the entropy without gradient; for
+    logging: online RL's rollout passes)."""
+    if isinstance(layout, SharedPrefix):
+        logits = _shared_prefix_scored_logits(model, layout, completion_only=completion_only)
+        flat = selected_token_logps(logits, layout.score_targets)
+        with torch.no_grad():
+            entropy = token_entropy(logits)
+        return (
+            _shared_left_aligned(flat, layout, width),
+            _shared_left_aligned(entropy, layout, width),
+        )
+    logps, entropy = completion_token_logps_and_entropy(
+        model, layout, completion_only=completion_only
+    )
+    return _pad_width(logps, width), _pad_width(entropy, width)
+
+
+def sequence_token_values(model: Any, layout: Rows | SharedPrefix, *, width: int) -> Tensor:
+    """A critic's values of each sequence's completion tokens, [S, width] fp32 left-aligned as
+    `sequence_token_logps` (entry (s, j): V of the state in which completion token j is
+    chosen; 0 past its end), from either layout."""
+    if isinstance(layout, SharedPrefix):
+        return _shared_left_aligned(shared_prefix_token_values(model, layout), layout, width)
+    return _pad_width(completion_token_values(model, layout), width)
+
+
+def _pad_width(values: Tensor, width: int) -> Tensor:
+    """[S, C] right-padded with zeros to [S, width]."""
+    if values.shape[1] < width:
+        values = torch.nn.functional.pad(values, (0, width - values.shape[1]))
+    return values
+
+
+def _shared_left_aligned(flat: Tensor, layout: SharedPrefix, width: int) -> Tensor:
+    """[S, width] from values at a shared-prefix batch's scored positions (in `score_targets`
+    order, each sequence's in turn): sequence s's values first, 0 past its end."""
+    lengths = torch.bincount(layout.score_sequences, minlength=layout.num_sequences)
+    lengths = lengths.to(flat.device)
+    slots = torch.arange(width, device=flat.device)[None, :] < lengths[:, None]
+    out = torch.zeros(lengths.shape[0], width, dtype=flat.dtype, device=flat.device)
+    return out.masked_scatter(slots, flat)
 
 
 def completion_forward(
@@ -255,6 +298,15 @@ def shared_prefix_logps(
 def shared_prefix_token_logps(model: Any, batch: SharedPrefix, *, completion_only: bool) -> Tensor:
     """The log-prob of every scored token of a `collate_shared_prefix` batch, flat, in the
     batch's `score_targets` order (`score_sequences` says whose each is)."""
+    logits = _shared_prefix_scored_logits(model, batch, completion_only=completion_only)
+    return selected_token_logps(logits, batch.score_targets)
+
+
+def _shared_prefix_scored_logits(
+    model: Any, batch: SharedPrefix, *, completion_only: bool
+) -> Tensor:
+    """[scored, V] the logits at a shared-prefix batch's scored positions, in `score_targets`
+    order (with `completion_only` the LM head runs only there)."""
     input_ids = batch.input_ids
     positions = batch.score_positions
     kwargs = {
@@ -268,11 +320,9 @@ def shared_prefix_token_logps(model: Any, batch: SharedPrefix, *, completion_onl
         # Row of each kept position in the [kept, V] logits (row-major order of the mask).
         kept_row = keep.long().cumsum(0) - 1
         logits = model(**kwargs, logits_to_keep=keep.view_as(input_ids)).logits
-        logits = logits.reshape(-1, logits.shape[-1])[kept_row[positions]]
-    else:
-        logits = model(**kwargs).logits
-        logits = logits.reshape(-1, logits.shape[-1])[positions]
-    return selected_token_logps(logits, batch.score_targets)
+        return logits.reshape(-1, logits.shape[-1])[kept_row[positions]]
+    logits = model(**kwargs).logits
+    return logits.reshape(-1, logits.shape[-1])[positions]
 
 
 def sequence_scores(model: Any, batch: Rows) -> Tensor:

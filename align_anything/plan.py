@@ -13,11 +13,15 @@ The memory planner estimates, for each shipped preset,
   mixed precision; for fp32 training (CPU) and LoRA, where DeepSpeed has no estimator, the same
   accounting by hand (weights, gradients and Adam moments of what trains, weights of what is
   frozen), partitioned as the stage partitions them;
+- PPO's critic (`ppo.advantage_estimator=gae`): a second trained model, its weights, gradients
+  and optimizer states partitioned as the policy's, and its activations (no LM head) beside the
+  policy's, since a step keeps both graphs until their backward passes;
 - the DPO / KTO reference model (frozen weights; partitioned under ZeRO-3; none for a LoRA run,
   whose reference is the base model with adapters off, and none for reference-free losses). A
   precomputed reference still exists while it is computed, after the policy's engine is built,
-  so it counts towards the peak. Online RL (grpo, rloo): the reference when beta > 0, and the
-  reward model (`reward.model`), both frozen and partitioned under ZeRO-3;
+  so it counts towards the peak. Online RL (grpo, rloo, ppo): the reference when beta > 0
+  (ppo: kl_coef > 0), and the reward model (`reward.model`), both frozen and partitioned
+  under ZeRO-3;
 - online RL's generation: under ZeRO-3 the full weights gathered on every rank for the round
   (the partition is already counted), the KV cache of `generation_batch_size` sequences of
   `data.max_length` tokens (2 · layers · hidden per token: an upper bound, grouped-query
@@ -37,6 +41,7 @@ loaded), so planning a 70B model takes seconds on a laptop.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +174,26 @@ def resolve_deepspeed(
     return DeepSpeedPlan(config, batch, precision, source, tuple(notes), universal)
 
 
+def run_critic_sizes(cfg: RunConfig) -> list[ModelSizes]:
+    """Parameter counts of the models a run trains beside the policy: PPO's critic (its
+    reward model's or the policy's backbone with a score head, with LoRA adapters when the run
+    has them), from its config on the meta device; [] for every other run."""
+    if cfg.task != "ppo" or cfg.ppo is None or not cfg.ppo.trains_critic():
+        return []
+    path = cfg.ppo.critic_path(
+        policy=cfg.model.name_or_path,
+        reward_model=cfg.reward.model if cfg.reward is not None else None,
+    )
+    return [
+        model_sizes(
+            path,
+            reward=True,
+            trust_remote_code=cfg.model.trust_remote_code,
+            adapters=cfg.model.lora.adapters(),
+        )  # fmt: skip
+    ]
+
+
 def estimate_preset(
     preset: str,
     ds_config: dict[str, Any],
@@ -178,12 +203,87 @@ def estimate_preset(
     world_size: int,
     gpus_per_node: int,
     precision: str,
+    trained_beside: Sequence[ModelSizes] = (),
 ) -> Estimate:
-    """Per-device memory of `cfg` under one preset."""
+    """Per-device memory of `cfg` under one preset. `trained_beside`: the models trained
+    beside the policy (PPO's critic, `run_critic_sizes`): their model states join the
+    policy's, and their activations (no LM head) the policy's, since the step keeps both
+    graphs until their backward passes."""
+    stage = dsc.zero_stage_of(ds_config)
+    nodes = max(1, world_size // gpus_per_node)
+    n = world_size
+    weight_bytes = 4 if precision == "fp32" else 2
+    device, host, source = _model_states(
+        sizes, ds_config, precision=precision, world_size=n, gpus_per_node=gpus_per_node,
+        nodes=nodes,
+    )  # fmt: skip
+    for other in trained_beside:
+        more, more_host, _ = _model_states(
+            other, ds_config, precision=precision, world_size=n, gpus_per_node=gpus_per_node,
+            nodes=nodes,
+        )  # fmt: skip
+        device, host = device + more, host + more_host
+    reference = 0.0
+    share = n if stage == 3 else 1
+    if _has_reference_model(cfg):
+        offloaded = getattr(cfg.section(), "reference_offload", False)
+        reference = 0.0 if offloaded else sizes.total * weight_bytes / share
+    generation = 0.0
+    if cfg.task in ONLINE_TASKS:
+        if cfg.reward is not None and cfg.reward.model is not None:
+            reference += reward_model_params(cfg.reward.model) * weight_bytes / share
+        if stage == 3:
+            generation += sizes.total * weight_bytes * (1 - 1 / n)
+        batch = cfg.section().generation_batch_size  # type: ignore[union-attr]
+        kv = 2 * sizes.layers * sizes.hidden * cfg.data.max_length * batch * weight_bytes
+        generation += kv + batch * sizes.vocab * 4
+    micro = cfg.train.per_device_batch_size
+    micro = micro if isinstance(micro, int) else 4
+    # Sequences whose activations are kept for backward: a DPO / RM pair is two; a KTO row one
+    # (its KL sequence runs without gradient, so its activations do not stay).
+    sequences = micro * (2 if cfg.task in ("dpo", "rm") else 1)
+    seq = cfg.data.max_length
+    scale = 2 if precision == "fp32" else 1
+    activations = sum(
+        _layer_activations(model, seq=seq, sequences=sequences, scale=scale, cfg=cfg)
+        for model in (sizes, *trained_beside)
+    )
+    if cfg.task != "rm":
+        activations += sequences * seq * sizes.vocab * weight_bytes  # logits (upper bound)
+    return Estimate(
+        preset=preset,
+        stage=stage,
+        model_states=float(device),
+        host=float(host),
+        reference=reference,
+        activations=float(activations),
+        paper=memory.estimate_model_state_memory(sizes.total, stage, n, offload=False) * GIB,
+        source=source,
+        generation=float(generation),
+    )
+
+
+def _layer_activations(
+    sizes: ModelSizes, *, seq: int, sequences: int, scale: int, cfg: RunConfig
+) -> float:
+    """Activations one micro-batch keeps for the backward pass in a model's layers
+    (Korthikanti et al.: 34·s·b·h bytes per layer in 16-bit; `scale` 2 for fp32)."""
+    per_layer = 34 * seq * sequences * sizes.hidden * scale
+    if cfg.speed.gradient_checkpointing:
+        # Each layer's input (2·s·b·h bytes in 16-bit) is kept; one layer is recomputed at a time.
+        return 2 * seq * sequences * sizes.hidden * sizes.layers * scale + per_layer
+    return per_layer * sizes.layers
+
+
+def _model_states(
+    sizes: ModelSizes, ds_config: dict[str, Any], *, precision: str, world_size: int,
+    gpus_per_node: int, nodes: int,
+) -> tuple[float, float, str]:  # fmt: skip
+    """(bytes per device, bytes per node in host memory, how it was estimated) of one trained
+    model's weights, gradients and optimizer states under `ds_config`'s ZeRO stage."""
     stage = dsc.zero_stage_of(ds_config)
     offload_opt = dsc.offloads_optimizer(ds_config)
     offload_params = dsc.offloads_params(ds_config)
-    nodes = max(1, world_size // gpus_per_node)
     n = world_size
     weight_bytes = 4 if precision == "fp32" else 2
     full_training = sizes.trainable == sizes.total and precision != "fp32"
@@ -215,46 +315,7 @@ def estimate_preset(
             weights = 4.0 * sizes.largest_layer
         device = weights + grads + states
         source = "by hand (fp32)" if precision == "fp32" else "by hand (LoRA)"
-    reference = 0.0
-    share = n if stage == 3 else 1
-    if _has_reference_model(cfg):
-        offloaded = getattr(cfg.section(), "reference_offload", False)
-        reference = 0.0 if offloaded else sizes.total * weight_bytes / share
-    generation = 0.0
-    if cfg.task in ONLINE_TASKS:
-        if cfg.reward is not None and cfg.reward.model is not None:
-            reference += reward_model_params(cfg.reward.model) * weight_bytes / share
-        if stage == 3:
-            generation += sizes.total * weight_bytes * (1 - 1 / n)
-        batch = cfg.section().generation_batch_size  # type: ignore[union-attr]
-        kv = 2 * sizes.layers * sizes.hidden * cfg.data.max_length * batch * weight_bytes
-        generation += kv + batch * sizes.vocab * 4
-    micro = cfg.train.per_device_batch_size
-    micro = micro if isinstance(micro, int) else 4
-    # Sequences whose activations are kept for backward: a DPO / RM pair is two; a KTO row one
-    # (its KL sequence runs without gradient, so its activations do not stay).
-    sequences = micro * (2 if cfg.task in ("dpo", "rm") else 1)
-    seq = cfg.data.max_length
-    scale = 2 if precision == "fp32" else 1
-    per_layer = 34 * seq * sequences * sizes.hidden * scale
-    if cfg.speed.gradient_checkpointing:
-        # Each layer's input (2·s·b·h bytes in 16-bit) is kept; one layer is recomputed at a time.
-        activations = 2 * seq * sequences * sizes.hidden * sizes.layers * scale + per_layer
-    else:
-        activations = per_layer * sizes.layers
-    if cfg.task != "rm":
-        activations += sequences * seq * sizes.vocab * weight_bytes  # logits (upper bound)
-    return Estimate(
-        preset=preset,
-        stage=stage,
-        model_states=float(device),
-        host=float(host),
-        reference=reference,
-        activations=float(activations),
-        paper=memory.estimate_model_state_memory(sizes.total, stage, n, offload=False) * GIB,
-        source=source,
-        generation=float(generation),
-    )
+    return float(device), float(host), source
 
 
 def _has_reference_model(cfg: RunConfig) -> bool:
@@ -263,7 +324,7 @@ def _has_reference_model(cfg: RunConfig) -> bool:
     if cfg.model.lora.enabled:
         return False
     if cfg.task in ONLINE_TASKS:
-        return cfg.section().beta > 0  # type: ignore[union-attr]
+        return cfg.section().uses_reference()  # type: ignore[union-attr]
     if cfg.task == "kto":
         return cfg.kto is not None
     return cfg.dpo is not None and needs_reference(cfg.dpo.loss_terms()[0])
@@ -318,6 +379,7 @@ def plan(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpus_per_node = gpus_per_node or local_devices(world_size)
     sizes = run_model_sizes(cfg)
+    beside = run_critic_sizes(cfg)
     precision = dsc.resolve_precision(
         cfg.train.precision,
         device,
@@ -335,6 +397,7 @@ def plan(
                 world_size=world_size,
                 gpus_per_node=gpus_per_node,
                 precision=precision,
+                trained_beside=beside,
             )  # fmt: skip
         )
     budget, source = device_budget(cfg, gpus_per_node=gpus_per_node)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Shared launcher behind sft.sh, dpo.sh, rm.sh, kto.sh, grpo.sh, rloo.sh and torchrun.sh: one
-# machine, N processes.
+# Shared launcher behind sft.sh, dpo.sh, rm.sh, kto.sh, grpo.sh, rloo.sh, ppo.sh and
+# torchrun.sh: one machine, N processes.
 #
 #   bash scripts/sft.sh [--num_gpus N] [--preset NAME] [key=value ...]
 #
@@ -18,7 +18,7 @@ set -euo pipefail
 # shellcheck source=env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
-TASK=${TASK:?set TASK=sft|dpo|rm|kto|grpo|rloo, or call scripts/sft.sh, dpo.sh, rm.sh, kto.sh, grpo.sh or rloo.sh}
+TASK=${TASK:?set TASK=sft|dpo|rm|kto|grpo|rloo|ppo, or call scripts/sft.sh, dpo.sh, rm.sh, kto.sh, grpo.sh, rloo.sh or ppo.sh}
 LAUNCHER=${LAUNCHER:-deepspeed}
 PRESET=${PRESET:-z3}
 MASTER_PORT=${MASTER_PORT:-29500}

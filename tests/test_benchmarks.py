@@ -18,6 +18,7 @@ import dpo_vs_trl  # noqa: E402
 import gpu_bench  # noqa: E402
 import grpo_vs_trl  # noqa: E402
 import kto_vs_trl  # noqa: E402
+import ppo_vs_trl  # noqa: E402  (imports without TRL: TRL is imported in its child)
 import sft_packing  # noqa: E402
 import sft_vs_trl  # noqa: E402
 import trl_child  # noqa: E402, F401  (imports without TRL: TRL is imported inside main)
@@ -182,3 +183,31 @@ def test_grpo_fixed_completions_scored_as_by_hand() -> None:
         tokens += len(completion)
         weighted += fixed["advantages"][b] * len(completion)
     assert ours["loss"] == pytest.approx(-weighted / tokens, abs=1e-6)
+
+
+def test_the_ppo_benchmarks_side_is_a_valid_run_with_the_shared_settings(tmp_path: Path) -> None:
+    """align_anything's side of ppo_vs_trl.py validates as a run config and carries the
+    settings TRL's side gets (one completion per prompt, one step per rollout, the KL, clips,
+    GAE)."""
+    from argparse import Namespace
+
+    from align_anything.config import load_config
+
+    args = Namespace(model="tiny-random-llama", steps=2, batch=4, max_completion_length=8,
+                     learning_rate=1e-5)  # fmt: skip
+    reward_model = tmp_path / "rm"
+    reward_model.mkdir()
+    cfg = load_config(ppo_vs_trl.ours_overrides(args, tmp_path / "rows.jsonl", reward_model))
+    s = ppo_vs_trl.SETTINGS
+    assert (cfg.ppo.num_generations, cfg.ppo.round_steps()) == (1, (1, 1))
+    assert (cfg.ppo.kl_coef, cfg.ppo.epsilon, cfg.ppo.value_clip) == (
+        s["kl_coef"],
+        s["epsilon"],
+        s["value_clip"],
+    )
+    assert (cfg.ppo.gamma, cfg.ppo.lam, cfg.ppo.critic_init) == (
+        s["gamma"],
+        s["lam"],
+        "reward_model",
+    )
+    assert cfg.reward.model == str(reward_model) and cfg.train.per_device_batch_size == 4

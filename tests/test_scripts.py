@@ -59,6 +59,7 @@ CASES = {
     "kto.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", "kto.generation_check_samples=0"], 2),
     "grpo.sh": ({"NUM_GPUS": "2"}, [*RL_FAST.format(task="grpo").split()], 3),
     "rloo.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", *RL_FAST.format(task="rloo").split()], 2),
+    "ppo.sh": ({"PRESET": "z0"}, ["--num_gpus", "2", *RL_FAST.format(task="ppo").split()], 0),
     "torchrun.sh": ({"TASK": "sft", "NUM_GPUS": "2", "PRESET": "z0"}, [], 0),
 }
 
@@ -81,7 +82,9 @@ def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
     assert [m["step"] for m in run.train_steps()] == list(range(1, STEPS + 1))
     # Only rank 0 logs: one start-up summary, one progress line per step.
     assert (
-        len(re.findall(r"^align_anything (sft|dpo|rm|kto|grpo|rloo)$", run.output, re.MULTILINE))
+        len(
+            re.findall(r"^align_anything (sft|dpo|rm|kto|grpo|rloo|ppo)$", run.output, re.MULTILINE)
+        )
         == 1
     )
     for step in range(1, STEPS + 1):

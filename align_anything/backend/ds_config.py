@@ -320,4 +320,13 @@ def universal_change(*, source_stage: int, source_world: int, stage: int, world:
             f"cannot resume ({change}): DeepSpeed loads a universal checkpoint only into a "
             "ZeRO-1/2/3 engine. Resume with deepspeed=z2 or z3 (or a ZeRO-1 preset)."
         )
+    if source_stage == 3 and stage < 3:
+        # Measured with DeepSpeed 0.19.8: the ZeRO-1/2 universal loader fails on a checkpoint
+        # converted from ZeRO-3 ("Empty ds_version", then an IndexError in
+        # `universal_checkpoint.load_hp_checkpoint_state` on the flattened parameters).
+        raise ConfigError(
+            f"cannot resume ({change}): DeepSpeed 0.19.8 does not load a ZeRO-3 checkpoint into "
+            "a ZeRO-1/2 engine through its universal format. Resume with deepspeed=z3 or "
+            "z3_offload (any world size)."
+        )
     return change

@@ -23,7 +23,7 @@ from align_anything.backend.ds_config import (
     torch_dtype,
     zero_stage_of,
 )
-from align_anything.backend.universal import UNIVERSAL_TAG
+from align_anything.backend.universal import universal_tag
 from align_anything.errors import ConfigError
 
 
@@ -214,9 +214,10 @@ class Engine:
         self.engine.save_checkpoint(str(directory), tag=tag, client_state=client_state)
 
     def load_checkpoint(self, directory: Path, *, tag: str = "deepspeed") -> dict[str, Any]:
-        """Load `directory/tag`, or `directory/universal` when the engine was built with
-        `load_universal` (a checkpoint of another ZeRO stage or world size)."""
-        tag = UNIVERSAL_TAG if self.load_universal else tag
+        """Load `directory/tag`, or its universal conversion (`universal_tag(tag)`) when the
+        engine was built with `load_universal` (a checkpoint of another ZeRO stage or world
+        size)."""
+        tag = universal_tag(tag) if self.load_universal else tag
         # DeepSpeed's ZeRO-3 universal load copies the first group's hyperparameters onto every
         # group (the no-decay group would get the decay group's weight_decay); they come from
         # this run's config anyway, so put them back. The learning rate is the scheduler's.

@@ -21,6 +21,24 @@ from align_anything.backend.distributed import broadcast_object, dist_info
 from align_anything.errors import ConfigError
 
 UNIVERSAL_TAG = "universal"
+# The DeepSpeed folder of the policy in a checkpoint; an engine trained beside it (PPO's critic)
+# has `deepspeed-<name>`, converted into `universal-<name>`.
+POLICY_TAG = "deepspeed"
+
+
+def universal_tag(tag: str) -> str:
+    """The folder a checkpoint's DeepSpeed folder `tag` is converted into: `universal` for the
+    policy's `deepspeed`, `universal-<name>` for `deepspeed-<name>`."""
+    return UNIVERSAL_TAG + tag.removeprefix(POLICY_TAG)
+
+
+def engine_tags(checkpoint_dir: Path) -> list[str]:
+    """The DeepSpeed folders of every trained engine in a checkpoint (`deepspeed`, and
+    `deepspeed-<name>` for each engine trained beside the policy)."""
+    return sorted(
+        p.name for p in Path(checkpoint_dir).iterdir()
+        if p.is_dir() and (p.name == POLICY_TAG or p.name.startswith(POLICY_TAG + "-"))
+    )  # fmt: skip
 
 
 def load_deepspeed_file(path: Path) -> Any:
@@ -37,9 +55,10 @@ def load_deepspeed_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def convert_to_universal(checkpoint_dir: Path) -> Path:
-    """Convert `…/step-N/deepspeed` (ZeRO-1/2/3, any world size) into DeepSpeed's universal
-    checkpoint `…/step-N/universal`, which loads under another ZeRO stage (1-3) or world size.
+def convert_to_universal(checkpoint_dir: Path, tag: str = POLICY_TAG) -> Path:
+    """Convert `…/step-N/<tag>` (ZeRO-1/2/3, any world size; `deepspeed` is the policy's,
+    `deepspeed-<name>` an engine trained beside it) into DeepSpeed's universal checkpoint
+    `…/step-N/<universal_tag(tag)>`, which loads under another ZeRO stage (1-3) or world size.
 
     Rank 0 converts with DeepSpeed's `ds_to_universal` into a temporary folder renamed when
     complete (a finished conversion is reused); every rank then waits at a barrier. Collective:
@@ -52,14 +71,15 @@ def convert_to_universal(checkpoint_dir: Path) -> Path:
     from deepspeed.checkpoint import ds_to_universal
 
     checkpoint_dir = Path(checkpoint_dir)
-    final = checkpoint_dir / UNIVERSAL_TAG
+    target = universal_tag(tag)
+    final = checkpoint_dir / target
     error: str | None = None
     if dist_info().is_main and not final.is_dir():
-        tmp = checkpoint_dir / f".tmp-{UNIVERSAL_TAG}"
+        tmp = checkpoint_dir / f".tmp-{target}"
         shutil.rmtree(tmp, ignore_errors=True)
-        fixed_input = checkpoint_dir / f".tmp-{UNIVERSAL_TAG}-input"
+        fixed_input = checkpoint_dir / f".tmp-{target}-input"
         shutil.rmtree(fixed_input, ignore_errors=True)
-        source = checkpoint_dir / "deepspeed"
+        source = checkpoint_dir / tag
         if _write_fixed_slice_mappings(source, fixed_input):
             source = fixed_input
         args = argparse.Namespace(
@@ -78,13 +98,15 @@ def convert_to_universal(checkpoint_dir: Path) -> Path:
             _add_stage3_optimizer_globals(tmp)
             atomic.publish(tmp, final)
             shutil.rmtree(fixed_input, ignore_errors=True)
-            # ds_to_universal points `latest_universal` at its output folder (the temporary name).
+            # ds_to_universal points `latest_universal` at its output folder (the temporary
+            # name); loads name their folder, so this only keeps DeepSpeed's own tools pointed
+            # at the policy's.
             (checkpoint_dir / "latest_universal").write_text(UNIVERSAL_TAG)
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(fixed_input, ignore_errors=True)
             error = (
-                f"DeepSpeed's ds_to_universal failed on {checkpoint_dir / 'deepspeed'}: "
+                f"DeepSpeed's ds_to_universal failed on {checkpoint_dir / tag}: "
                 f"{type(err).__name__}: {err}\n{log.getvalue()[-2000:]}"
             )
     error = broadcast_object(error)

@@ -90,6 +90,13 @@ class ValueModel(torch.nn.Module):
         )[0]
         return head(hidden).squeeze(-1)
 
+    def exported(
+        self, state: Mapping[str, Tensor] | None
+    ) -> tuple[torch.nn.Module, dict[str, Tensor] | None]:
+        """What an export writes for this critic, from an engine's gathered state dict: the
+        wrapped reward model (a PEFT model: its adapter) and its own state dict."""
+        return self.scorer, self.scorer_state(state)
+
     @staticmethod
     def scorer_state(state: Mapping[str, Tensor] | None) -> dict[str, Tensor] | None:
         """A gathered state dict of the ValueModel (an engine's `full_state_dict()`; None on
@@ -112,6 +119,19 @@ def load_critic(
     Raises ConfigError (naming `key`) when the folder is not of the kind `init` says: a causal
     LM given as the reward model would get an untrained head silently, and a reward model given
     as the policy would keep its trained head."""
+    check_critic_folder(path, init=init, key=key, trust_remote_code=trust_remote_code)
+    return load_model(
+        path, reward=True, dtype=dtype, trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )  # fmt: skip
+
+
+def check_critic_folder(
+    path: str, *, init: str, key: str = "ppo.critic_model", trust_remote_code: bool = False
+) -> None:
+    """ConfigError (naming `key`) unless `path` is of the kind `init` says (a reward model for
+    "reward_model", a causal LM for "policy"); reads only the config, so a run can check it
+    before any data or weights."""
     if init not in CRITIC_INITS:
         raise ConfigError(f"critic init must be one of {', '.join(CRITIC_INITS)}, got {init!r}")
     config = load_config(path, trust_remote_code=trust_remote_code)
@@ -128,7 +148,3 @@ def load_critic(
             "starts a new value head on a language model: set ppo.critic_init=reward_model to "
             "start from this reward model, or name the policy's folder"
         )
-    return load_model(
-        path, reward=True, dtype=dtype, trust_remote_code=trust_remote_code,
-        attn_implementation=attn_implementation,
-    )  # fmt: skip

@@ -24,12 +24,11 @@ from align_anything.training.task import TaskSpec
 
 
 @dataclass
-class GRPO:
+class GRPO(online.SequenceAdvantages):
     """GRPO's advantages and loss (the `online.Algorithm` of task=grpo)."""
 
     rl: Any  # the grpo section
     name: str = "grpo"
-    needs_old_logps_for_reward: bool = False
 
     def rewards_for_advantages(
         self, rewards: list[float], batches: list[online.RolloutBatch]
@@ -42,8 +41,11 @@ class GRPO:
     def count_items(self, batch: online.RolloutBatch) -> int:
         return loss_items(batch.loss_mask, loss_type=self.rl.loss_type)
 
-    def loss(self, logps: Tensor, batch: online.RolloutBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(
+        self, task: online.OnlineRL, batch: online.RolloutBatch, *, normalizer: float
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         rl = self.rl
+        logps = task.token_logps(task.policy, batch)
         old = batch.old_logps
         low, high = rl.clip_range()
         per_token, stats = grpo_per_token_loss(
@@ -64,7 +66,7 @@ class GRPO:
         }
         if stats.kl is not None:
             metrics["tokens/kl"] = (stats.kl.detach() * mask).sum()
-        return total, metrics
+        return {"policy": total / normalizer}, metrics
 
 
 def build(run: Run) -> tuple[online.OnlineRL, online.Rollouts]:

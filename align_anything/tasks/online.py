@@ -1,7 +1,11 @@
-"""What the online RL tasks (GRPO, RLOO) share: the `OnlineRL` task, whose algorithm (the
-advantages and the loss) is a field, and `Rollouts`, the step source that generates each round.
+"""What the online RL tasks (GRPO, RLOO, PPO) share: the `OnlineRL` task, whose algorithm
+(the advantages and the loss) is a field, and `Rollouts`, the step source that generates each
+round.
 
-One optimizer step (with `num_iterations` μ = 1; μ > 1 reuses a round for μ steps):
+A round serves E × M optimizer steps: E passes over it, each cut into M mini-batches of one
+global batch (GRPO / RLOO: E = `num_iterations` μ, M = 1, every step the whole round; PPO:
+`num_ppo_epochs` × `num_mini_batches`, each pass a seeded shuffle of the round's completions,
+so every step after the first is off-policy). One round, with E = M = 1:
 
 1. **Prompts.** The step's global batch counts completions (TRL's convention): B completions are
    B / G prompts × G completions. The prompts are a seeded permutation of the training prompts
@@ -25,6 +29,13 @@ One optimizer step (with `num_iterations` μ = 1; μ > 1 reuses a round for μ s
    (global items / (world × grad_accum)) with the algorithm's items, so 2 ranks give the loss
    of 1 rank on the same completions.
 
+With M > 1 the round's completions and what was attached to them (log-probs, values,
+advantages) are all-gathered after it (a few floats per token), so each step's mini-batch is the
+same set of completions on any number of ranks. A checkpoint written inside a round (E·M > 1)
+holds the round (`rollout.json` / `rollout.safetensors`: completions, attached tensors, round
+metrics), and a run resumed from it continues that round, not a new one from the resumed
+weights: the same steps as the run that was never stopped.
+
 Evaluation before and after training: greedy answers to `eval_samples` held-out prompts; their
 mean reward (`eval/reward`, and per function) and, for built-in data, the generation check
 (`eval/generation_check`, the check of `training/generation.py`).
@@ -32,15 +43,19 @@ mean reward (`eval/reward`, and per function) and, for built-in data, the genera
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from align_anything import atomic
 from align_anything import rewards as reward_fns
 from align_anything.backend import distributed as comm
 from align_anything.config import RunConfig
@@ -56,8 +71,9 @@ from align_anything.data.layouts import (
 from align_anything.data.media import MEDIA_KEYS
 from align_anything.data.multimodal import MediaSupport
 from align_anything.errors import ConfigError, UserError
-from align_anything.forward import sequence_token_logps
+from align_anything.forward import sequence_token_logps, sequence_token_logps_and_entropy
 from align_anything.losses import group_reward_std, nanstd
+from align_anything.rewards_remote import remote_reward_functions
 from align_anything.training import checkpoints, generation, reference
 from align_anything.training.batching import step_indices
 from align_anything.training.reward_model import RewardModel
@@ -95,30 +111,52 @@ def encoding(cfg: RunConfig) -> Encoding:
 
 
 def check_rewards(cfg: RunConfig, model: ModelSide) -> None:
-    """Before any data or weights: a misspelt reward function fails in seconds."""
-    reward_fns.load_reward_functions(cfg.reward.functions)
+    """Before any data or weights: a misspelt reward function, or a reward server's header
+    variable that is not set, fails in seconds."""
+    reward_functions(cfg)
+
+
+def reward_functions(cfg: RunConfig) -> list[tuple[str, Any]]:
+    """(name, function) of every reward function and reward server, in `reward.weights`'
+    order: the functions, then the remote URLs (`rewards_remote`: one reward each)."""
+    reward, remote = cfg.reward, cfg.reward.remote
+    return reward_fns.load_reward_functions(reward.functions) + remote_reward_functions(
+        remote.urls, timeout_s=remote.timeout_s, retries=remote.retries,
+        backoff_s=remote.backoff_s, max_rows=remote.max_rows_per_request,
+        headers_env=remote.headers_env,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class RoundSizes:
-    """How the prompts split: per rank and per round (one round per μ steps)."""
+    """How the prompts split: per rank and per round, and the steps a round serves (E passes
+    of M mini-batches)."""
 
     prompts_per_rank: int
     prompts_per_round: int
     rounds_per_epoch: int
+    epochs: int = 1
+    mini_batches: int = 1
+
+    @property
+    def steps_per_round(self) -> int:
+        return self.epochs * self.mini_batches
 
 
 def round_sizes(cfg: RunConfig, prompts: int, batch: Any) -> RoundSizes:
-    """The round sizes; the batch must split into whole groups per rank."""
+    """The round sizes; a rank's completions of a round must be whole groups."""
     rl = cfg.section()
     group = rl.num_generations
-    per_rank = batch.micro_batch * batch.grad_accum
+    epochs, mini_batches = rl.round_steps()
+    per_rank = batch.micro_batch * batch.grad_accum * mini_batches
     if per_rank % group:
+        rounds = f" x {mini_batches} (ppo.num_mini_batches)" if mini_batches > 1 else ""
         raise ConfigError(
             f"task={cfg.task}: the global batch counts completions, {group} "
             f"({cfg.task}.num_generations) per prompt, and each rank generates for its own "
-            f"prompts, so micro-batch x gradient accumulation ({batch.micro_batch} x "
-            f"{batch.grad_accum} = {per_rank} completions per rank) must be a multiple of "
+            f"prompts, so micro-batch x gradient accumulation{rounds} ({batch.micro_batch} x "
+            f"{batch.grad_accum}{f' x {mini_batches}' if rounds else ''} = {per_rank} "
+            f"completions per rank) must be a multiple of "
             f"{group}; the batch is {batch.describe()}. Set train.per_device_batch_size to a "
             f"multiple of {group} (or adjust {cfg.task}.num_generations)"
         )
@@ -130,14 +168,14 @@ def round_sizes(cfg: RunConfig, prompts: int, batch: Any) -> RoundSizes:
             f"{per_round} ({batch.describe()} completions / {group} per prompt): lower "
             "train.per_device_batch_size, or add prompts"
         )
-    return RoundSizes(per_rank // group, per_round, rounds)
+    return RoundSizes(per_rank // group, per_round, rounds, epochs, mini_batches)
 
 
 def schedule(cfg: RunConfig, data: Data, batch: Any) -> Schedule:
-    """Steps from rounds of prompts: μ steps per round."""
-    rl, train = cfg.section(), cfg.train
-    rounds = round_sizes(cfg, len(data.train), batch).rounds_per_epoch
-    per_epoch = rounds * rl.num_iterations
+    """Steps from rounds of prompts: E × M steps per round."""
+    train = cfg.train
+    sizes = round_sizes(cfg, len(data.train), batch)
+    per_epoch = sizes.rounds_per_epoch * sizes.steps_per_round
     total = train.max_steps if train.max_steps > 0 else per_epoch * train.epochs
     return Schedule(per_epoch, total, math.ceil(train.warmup_ratio * total))
 
@@ -145,13 +183,20 @@ def schedule(cfg: RunConfig, data: Data, batch: Any) -> Schedule:
 # ---------------------------------------------------------------------------- batches
 
 
+# What a round attaches to its completions, per token ([B, C]) or per completion ([B]): kept
+# per completion when a round is re-cut into mini-batches or saved in a checkpoint.
+ATTACHED = ("advantages", "old_logps", "ref_logps", "values", "returns")
+
+
 @dataclass
 class RolloutBatch:
     """A micro-batch of completions: prompt + completion per row (`rows`; labels on the
     completion), the same as one row per prompt group when the prompt is shared (`shared`),
-    the loss mask [B, C] over completion tokens (none of a truncated one when masked), and
-    what the round attached: advantages, the old policy's and the reference's per-token
-    log-probs."""
+    the loss mask [B, C] over completion tokens (none of a truncated one when masked), each
+    completion's length, and what the round attached (`ATTACHED`): advantages (per completion
+    or per token), the old policy's and the reference's per-token log-probs, a critic's values
+    and returns; the old policy's entropy (logged). Per step: whether the policy trains on it
+    (not in PPO's critic-only warm-up), and PPO's ptx rows with their normaliser."""
 
     rows: Rows
     shared: SharedPrefix | None
@@ -160,19 +205,43 @@ class RolloutBatch:
     advantages: Tensor | None = None
     old_logps: Tensor | None = None
     ref_logps: Tensor | None = None
+    values: Tensor | None = None
+    returns: Tensor | None = None
+    lengths: Tensor | None = None
+    entropy: Tensor | None = None
+    train_policy: bool = True
+    ptx: Any = None
+    ptx_normalizer: float = 1.0
 
     @property
     def layout(self) -> Rows | SharedPrefix:
         return self.shared if self.shared is not None else self.rows
 
+    def completion_mask(self) -> Tensor:
+        """[B, C] 1 on every completion token (truncated ones included), 0 on padding."""
+        assert self.lengths is not None
+        width = self.loss_mask.shape[1]
+        positions = torch.arange(width, device=self.loss_mask.device)
+        return (positions[None, :] < self.lengths.to(positions.device)[:, None]).float()
+
 
 class Algorithm(Protocol):
-    """What GRPO and RLOO give the online task: advantages from the round's rewards, the loss
-    of a micro-batch, its item count."""
+    """What GRPO, RLOO and PPO give the online task: what the round computes (no-grad passes,
+    advantages), the loss of a micro-batch and its item count."""
 
     name: str
-    # Whether the old policy's log-probs are needed at generation time beyond μ > 1.
-    needs_old_logps_for_reward: bool
+    # Whether the rollout's old-policy pass also gives the entropy (logged as `entropy`).
+    logs_entropy: bool
+
+    def needs_old_logps(self) -> bool:
+        """Whether the policy's log-probs at generation time are needed (the ratio's old
+        policy when a round serves several steps; a KL penalty in the reward)."""
+        ...
+
+    def extra_passes(self, batch: RolloutBatch) -> None:
+        """No-grad passes at generation time beyond the old and reference log-probs (PPO's
+        critic values), attached to the batch."""
+        ...
 
     def rewards_for_advantages(
         self, rewards: list[float], batches: list[RolloutBatch]
@@ -181,15 +250,76 @@ class Algorithm(Protocol):
         round metrics of that step (RLOO's `kl`). Collective where it reduces."""
         ...
 
-    def advantages(self, rewards: Tensor) -> Tensor:
-        """Advantages of the whole generation batch's completions (all ranks', in order)."""
+    def attach_advantages(
+        self, batches: list[RolloutBatch], rewards: Tensor, *, rank: int, world: int
+    ) -> tuple[list[float], dict[str, float]]:
+        """Attach this rank's advantages (and returns) to its round batches, from the whole
+        generation batch's rewards (`rewards`: all ranks', in order); returns one advantage per
+        completion of this rank (for the completions table) and round metrics. Collective."""
+        ...
+
+    def for_step(self, batches: list[RolloutBatch], step: int) -> None:
+        """Per-step attachments to the batches step `step` (0-based) trains on (PPO: whether
+        the policy trains, the ptx rows). Collective where it reduces."""
         ...
 
     def count_items(self, batch: RolloutBatch) -> int: ...
 
-    def loss(self, logps: Tensor, batch: RolloutBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        """(the micro-batch's summed loss, metric sums) from its per-token log-probs."""
+    def loss(
+        self, task: OnlineRL, batch: RolloutBatch, *, normalizer: float
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(engine name -> the micro-batch's loss divided by `normalizer` (see `Task.loss`),
+        metric sums)."""
         ...
+
+    def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The algorithm's derived figures from the averaged metrics."""
+        ...
+
+
+@dataclass
+class SequenceAdvantages:
+    """What GRPO and RLOO share as algorithms: one advantage per completion from the whole
+    generation batch's rewards (`advantages`), the old policy's pass only when a round serves
+    several steps (μ > 1) or `old_logps_for_reward` says so, nothing per step."""
+
+    logs_entropy = False
+
+    def needs_old_logps(self) -> bool:
+        return self.rl.num_iterations > 1 or self.old_logps_for_reward()  # type: ignore[attr-defined]
+
+    def old_logps_for_reward(self) -> bool:
+        return False
+
+    def extra_passes(self, batch: RolloutBatch) -> None:
+        pass
+
+    def advantages(self, rewards: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def attach_advantages(
+        self, batches: list[RolloutBatch], rewards: Tensor, *, rank: int, world: int
+    ) -> tuple[list[float], dict[str, float]]:
+        advantages = self.advantages(rewards)
+        mine = advantages.view(world, -1)[rank]
+        start = 0
+        for batch in batches:
+            count = batch.loss_mask.shape[0]
+            batch.advantages = mine[start : start + count].to(batch.loss_mask.device)
+            start += count
+        metrics = {
+            "advantages/mean": float(advantages.mean()),
+            "advantages/std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
+        }
+        if bool(torch.isnan(rewards).all()):
+            metrics = {}  # no reward had an opinion: every advantage is 0, nothing to show
+        return mine.tolist(), metrics
+
+    def for_step(self, batches: list[RolloutBatch], step: int) -> None:
+        pass
+
+    def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        return metrics
 
 
 # ---------------------------------------------------------------------------- rewards
@@ -305,7 +435,9 @@ class OnlineRL:
             if not (drop and row["truncated"]):
                 mask[b, : len(row["completion_ids"])] = 1.0
         shared = self.shared_layout(rows) if self.share_prefix else None
-        return RolloutBatch(batch, shared, mask, torch.tensor([r["truncated"] for r in rows]))
+        lengths = torch.tensor([len(r["completion_ids"]) for r in rows])
+        truncated = torch.tensor([r["truncated"] for r in rows])
+        return RolloutBatch(batch, shared, mask, truncated, lengths=lengths)
 
     def shared_layout(self, rows: list[dict]) -> SharedPrefix:
         """The micro-batch's completions of one prompt as one row `prompt + c_1 + … + c_k`
@@ -333,6 +465,13 @@ class OnlineRL:
             completion_only=self.completion_only,
         )  # fmt: skip
 
+    def token_logps_and_entropy(self, model: Any, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        """`token_logps` and the entropy at the same positions (no gradient), one forward."""
+        return sequence_token_logps_and_entropy(
+            model, batch.layout, width=batch.loss_mask.shape[1],
+            completion_only=self.completion_only,
+        )  # fmt: skip
+
     def count_items(self, batch: RolloutBatch) -> int:
         return self.algorithm.count_items(batch)
 
@@ -343,18 +482,19 @@ class OnlineRL:
         pass  # the round's statistics are the step source's (`Rollouts`)
 
     def loss(self, batch: RolloutBatch, *, normalizer: float, training: bool) -> LossOutput:
-        total, metrics = self.algorithm.loss(self.token_logps(self.policy, batch), batch)
-        return LossOutput({"policy": total / normalizer}, metrics)
+        losses, metrics = self.algorithm.loss(self, batch, normalizer=normalizer)
+        return LossOutput(losses, metrics)
 
     def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Token means (kl, clip ratios) from their sums and the token count."""
+        """Token means (kl, clip ratios) from their sums and the token count, then the
+        algorithm's own figures."""
         tokens = metrics.pop("count/tokens", None)
         for key in list(metrics):
             if key.startswith("tokens/"):
                 value = metrics.pop(key)
                 if tokens:
                     metrics[key.removeprefix("tokens/")] = value / tokens
-        return metrics
+        return self.algorithm.finalize_metrics(metrics)
 
     @torch.no_grad()
     def evaluate_extra(self, label: str) -> dict[str, float]:
@@ -404,22 +544,70 @@ class OnlineRL:
 
 # ---------------------------------------------------------------------------- rounds
 
+# A checkpoint written inside a round holds it in these two files (rank 0 writes them).
+ROLLOUT_JSON = "rollout.json"
+ROLLOUT_TENSORS = "rollout.safetensors"
+
 
 @dataclass
 class Round:
-    """One generation round: this rank's micro-batches (with advantages and the no-grad
-    log-probs attached), the round's global metrics, the time it took, a completions table."""
+    """One generation round: this rank's micro-batches (with advantages and the no-grad passes
+    attached; M = 1), or the whole round's completions of every rank with what was attached to
+    each (`samples`, in round order; M > 1, re-cut into each step's mini-batch), the round's
+    global metrics, the time it took, a completions table."""
 
     index: int
     batches: list[RolloutBatch]
     metrics: dict[str, float]
     seconds: float
     table: list[dict[str, Any]] = field(default_factory=list)
+    samples: list[dict[str, Any]] | None = None
+    rows: list[int] = field(default_factory=list)  # each of `batches`' completions' prompt row
+
+
+def split_batch(batch: RolloutBatch, rows: list[int]) -> list[dict[str, Any]]:
+    """A round batch as one record per completion: its prompt row, ids, truncation and each
+    attached tensor (`ATTACHED`; per-token ones cut to the completion's length), on the CPU.
+    `rows`: the batch's prompt rows; ids from its labels (the completion tokens)."""
+    assert batch.lengths is not None
+    records = []
+    labels = batch.rows.labels
+    for b, row in enumerate(rows):
+        length = int(batch.lengths[b])
+        ids = labels[b][labels[b] != IGNORE_INDEX].tolist()
+        record: dict[str, Any] = {"row": row, "completion_ids": ids[:length],
+                                  "truncated": bool(batch.truncated[b])}  # fmt: skip
+        for name in ATTACHED:
+            value = getattr(batch, name)
+            if value is not None:
+                record[name] = (value[b, :length] if value.dim() == 2 else value[b]).cpu()
+        records.append(record)
+    return records
+
+
+def attach_records(batch: RolloutBatch, records: list[dict[str, Any]]) -> RolloutBatch:
+    """`batch` (collated from `records`' completions) with their attached tensors, per-token
+    ones right-padded with 0 to the batch's width: the tensors the round attached."""
+    width = batch.loss_mask.shape[1]
+    for name in ATTACHED:
+        if name not in records[0]:
+            continue
+        values = [r[name] for r in records]
+        if values[0].dim() == 0:
+            setattr(batch, name, torch.stack(values))
+        else:
+            padded = torch.zeros(len(values), width, dtype=values[0].dtype)
+            for b, value in enumerate(values):
+                padded[b, : value.shape[0]] = value
+            setattr(batch, name, padded)
+    return batch
 
 
 class Rollouts:
-    """The online step source: a generation round every μ (`num_iterations`) steps, served as
-    the micro-batches of each of its steps."""
+    """The online step source: a generation round every E × M steps (`RoundSizes`), served as
+    the micro-batches of each of its steps: the whole round each step when M = 1 (GRPO and
+    RLOO's μ passes), else the mini-batch of the step's pass (a seeded shuffle of the round's
+    completions per pass, cut into M global batches)."""
 
     def __init__(self, run: Run, task: OnlineRL, reference_model: Any, sizes: RoundSizes) -> None:
         self.task = task
@@ -428,20 +616,29 @@ class Rollouts:
         self.rows = run.data.train
         self.batch = run.ds_plan.batch
         self.rank = run.dist.rank
+        self.world = run.dist.world_size
         self.seed = run.cfg.train.seed
         self.device = run.policy.device
         self.logging = run.cfg.logging
         self.checkpoints = (run.output.path / "checkpoints", run.output.run_id)
         self.current: Round | None = None
+        # A checkpoint written inside a round holds it: the first step continues that round.
+        self.resume_dir = run.output.resume_dir
 
     def step(self, step: int) -> StepBatches:
-        round_index = step // self.task.rl.num_iterations
+        round_index, within = divmod(step, self.sizes.steps_per_round)
         fresh = self.current is None or self.current.index != round_index
         if fresh:
-            self.current = self.rollout(round_index, step)
+            self.current = self.restored(round_index) or self.rollout(round_index, step)
+            fresh = self.current.seconds > 0  # a restored round was shown when it was generated
         assert self.current is not None
+        batches = (
+            self.current.batches if self.current.samples is None
+            else self.mini_batch(self.current, within)
+        )  # fmt: skip
+        self.task.algorithm.for_step(batches, step)
         return StepBatches(
-            self.current.batches, metrics=dict(self.current.metrics),
+            batches, metrics=dict(self.current.metrics),
             seconds=self.current.seconds if fresh else 0.0,
             table=self.current.table if fresh else [],
         )  # fmt: skip
@@ -456,26 +653,62 @@ class Rollouts:
         per_rank = self.sizes.prompts_per_rank
         return order[self.rank * per_rank : (self.rank + 1) * per_rank]
 
+    def sample(self, row_index: int, ids: list[int], truncated: bool) -> dict[str, Any]:
+        """One completion as `OnlineRL.collate` reads it: its prompt row's ids (and media)."""
+        row = self.rows[row_index]
+        sample = {"prompt_ids": row["prompt_ids"], "completion_ids": ids, "truncated": truncated,
+                  "row": row_index}  # fmt: skip
+        sample.update({key: row[key] for key in MEDIA_KEYS if key in row})
+        return sample
+
     def samples(self, prompt_rows: list[int], completions: Completions) -> list[dict]:
         group = self.task.rl.num_generations
-        samples = []
-        for k, (ids, cut) in enumerate(zip(completions.ids, completions.truncated, strict=True)):
-            row = self.rows[prompt_rows[k // group]]
-            sample = {"prompt_ids": row["prompt_ids"], "completion_ids": ids, "truncated": cut,
-                      "row": prompt_rows[k // group]}  # fmt: skip
-            sample.update({key: row[key] for key in MEDIA_KEYS if key in row})
-            samples.append(sample)
-        return samples
+        return [
+            self.sample(prompt_rows[k // group], ids, cut)
+            for k, (ids, cut) in enumerate(zip(completions.ids, completions.truncated, strict=True))
+        ]
+
+    def micro_batches(self, records: list[dict[str, Any]]) -> list[RolloutBatch]:
+        """Records (`split_batch`'s) in micro-batches on the device, attached tensors back on."""
+        micro = self.batch.micro_batch
+        batches = []
+        for start in range(0, len(records), micro):
+            part = records[start : start + micro]
+            samples = [self.sample(r["row"], r["completion_ids"], r["truncated"]) for r in part]
+            batch = attach_records(self.task.collate(samples), part)
+            batches.append(to_device(batch, self.device))
+        return batches
+
+    def mini_batch(self, current: Round, within: int) -> list[RolloutBatch]:
+        """This rank's micro-batches of the round's pass `within // M`, mini-batch
+        `within % M`: a seeded permutation of the round's completions per pass (the same on
+        every rank and world size), cut into global batches, each split over the ranks."""
+        assert current.samples is not None
+        epoch, part = divmod(within, self.sizes.mini_batches)
+        generator = torch.Generator().manual_seed(
+            prompt_seed(self.seed, current.index, epoch) ^ 0x5EED
+        )
+        order = torch.randperm(len(current.samples), generator=generator).tolist()
+        plan = self.batch
+        chosen = order[part * plan.global_batch : (part + 1) * plan.global_batch]
+        per_rank = plan.micro_batch * plan.grad_accum
+        mine = chosen[self.rank * per_rank : (self.rank + 1) * per_rank]
+        return self.micro_batches([current.samples[i] for i in mine])
 
     @torch.no_grad()
     def no_grad_passes(self, batch: RolloutBatch) -> None:
-        task, rl = self.task, self.task.rl
-        if rl.num_iterations > 1 or (task.algorithm.needs_old_logps_for_reward and rl.beta > 0):
+        task, algorithm = self.task, self.task.algorithm
+        if algorithm.needs_old_logps():
             task.policy.eval()
-            batch.old_logps = task.token_logps(task.policy, batch).detach()
+            if algorithm.logs_entropy:
+                logps, entropy = task.token_logps_and_entropy(task.policy, batch)
+                batch.old_logps, batch.entropy = logps.detach(), entropy
+            else:
+                batch.old_logps = task.token_logps(task.policy, batch).detach()
             task.policy.train()
         if self.reference is not None:
             batch.ref_logps = task.token_logps(self.reference, batch).detach()
+        algorithm.extra_passes(batch)
 
     def rollout(self, round_index: int, step: int) -> Round:
         """Generate, score and compute advantages for one round (collective)."""
@@ -488,8 +721,8 @@ class Rollouts:
         completions = task.generator.generate(prompts, rl.num_generations, sampling, seeds)
         samples = self.samples(prompt_rows, completions)
         batches = [
-            to_device(task.collate(samples[m * micro : (m + 1) * micro]), self.device)
-            for m in range(self.batch.grad_accum)
+            to_device(task.collate(samples[m : m + micro]), self.device)
+            for m in range(0, len(samples), micro)
         ]
         for batch in batches:
             self.no_grad_passes(batch)
@@ -503,12 +736,12 @@ class Rollouts:
         gathered = torch.tensor(
             [v for part in comm.all_gather_objects(local) for v in part], dtype=torch.float32
         )
-        advantages = task.algorithm.advantages(gathered)
-        mine = advantages.view(self.batch.world_size, -1)[self.rank]
-        for m, batch in enumerate(batches):
-            batch.advantages = mine[m * micro : (m + 1) * micro].to(batch.loss_mask.device)
+        shown, advantage_metrics = task.algorithm.attach_advantages(
+            batches, gathered, rank=self.rank, world=self.world
+        )
         metrics = (
-            round_metrics(total, per_function, completions, advantages, group=rl.num_generations)
+            round_metrics(total, per_function, completions, group=rl.num_generations)
+            | advantage_metrics
             | extra
         )
         if metrics["frac_reward_none"] == 1.0 and self.rank == 0:
@@ -522,18 +755,96 @@ class Rollouts:
         table = []
         every = self.logging.completions_every
         if every and (step + 1) % every == 0:
-            shown = self.logging.completions_shown
+            shown_rows = self.logging.completions_shown
             table = [
                 {"prompt": task.tokenizer.decode(s["prompt_ids"], skip_special_tokens=True),
                  "completion": text, "reward": r, "advantage": float(a)}
-                for s, text, r, a in zip(samples[:shown], texts, total, mine.tolist(), strict=False)
+                for s, text, r, a in zip(samples[:shown_rows], texts, total, shown, strict=False)
             ]  # fmt: skip
-        return Round(round_index, batches, metrics, time.perf_counter() - start, table)
+        rows, records = [s["row"] for s in samples], None
+        if self.sizes.mini_batches > 1:
+            # Every rank's completions with what was attached, in round order, so that each
+            # step's mini-batch is the same set on any number of ranks.
+            records, batches = self.gathered_records(batches, rows), []
+        seconds = max(time.perf_counter() - start, 1e-9)
+        return Round(round_index, batches, metrics, seconds, table, records, rows)
+
+    def gathered_records(
+        self, batches: list[RolloutBatch], rows: list[int]
+    ) -> list[dict[str, Any]]:
+        """Every rank's completions of the round as `split_batch` records, in round order
+        (rank-major: the ranks' prompts are consecutive slices of the round's). Collective."""
+        local: list[dict[str, Any]] = []
+        start = 0
+        for batch in batches:
+            count = batch.loss_mask.shape[0]
+            local += split_batch(batch, rows[start : start + count])
+            start += count
+        return [record for part in comm.all_gather_objects(local) for record in part]
+
+    # ------------------------------------------------------------------ inside a checkpoint
+
+    def save(self, folder: Path, step: int) -> None:
+        """Inside a round (E × M > 1 and `step` not at its end): the round, so that a resume
+        continues it instead of generating a new one from the resumed weights. Rank 0 writes
+        `rollout.json` (round index, completions, metrics) and `rollout.safetensors` (what was
+        attached to each completion). Collective."""
+        current = self.current
+        if current is None or step % self.sizes.steps_per_round == 0:
+            return
+        records = current.samples
+        if records is None:
+            records = self.gathered_records(current.batches, current.rows)
+        if self.rank != 0:
+            return
+        names = [n for n in ATTACHED if n in records[0]]
+        tensors = {
+            name: torch.cat([r[name].reshape(-1) for r in records]).contiguous() for name in names
+        }
+        meta = {
+            "round": current.index, "metrics": current.metrics, "attached": names,
+            "per_token": [n for n in names if records[0][n].dim() == 1],
+            "completions": [[r["row"], r["completion_ids"], r["truncated"]] for r in records],
+        }  # fmt: skip
+        save_file(tensors, str(folder / ROLLOUT_TENSORS))
+        atomic.write_text(folder / ROLLOUT_JSON, json.dumps(meta))
+
+    def restored(self, round_index: int) -> Round | None:
+        """The round a resumed run's checkpoint holds, if it holds this one (asked once: the
+        resumed run's first step)."""
+        folder, self.resume_dir = self.resume_dir, None
+        if folder is None or not (folder / ROLLOUT_JSON).is_file():
+            return None
+        meta = json.loads((folder / ROLLOUT_JSON).read_text())
+        if meta["round"] != round_index:
+            return None
+        tensors = load_file(str(folder / ROLLOUT_TENSORS))
+        offsets = dict.fromkeys(meta["attached"], 0)
+        records: list[dict[str, Any]] = []
+        for row, ids, truncated in meta["completions"]:
+            record: dict[str, Any] = {"row": row, "completion_ids": ids, "truncated": truncated}
+            for name in meta["attached"]:
+                start = offsets[name]
+                if name in meta["per_token"]:  # one value per completion token
+                    record[name], offsets[name] = (
+                        tensors[name][start : start + len(ids)],
+                        start + len(ids),
+                    )
+                else:  # one per completion
+                    record[name], offsets[name] = tensors[name][start], start + 1
+            records.append(record)
+        if self.sizes.mini_batches > 1:
+            return Round(round_index, [], meta["metrics"], 0.0, [], records)
+        # M = 1: this rank's completions, the slice of the round its prompts give (rank-major).
+        per_rank = len(records) // self.world
+        mine = records[self.rank * per_rank : (self.rank + 1) * per_rank]
+        rows = [r["row"] for r in mine]
+        return Round(round_index, self.micro_batches(mine), meta["metrics"], 0.0, rows=rows)
 
 
 def round_metrics(
-    total: list[float], per_function: dict[str, list[float]], completions: Completions,
-    advantages: Tensor, *, group: int,
+    total: list[float], per_function: dict[str, list[float]], completions: Completions, *,
+    group: int,
 ) -> dict[str, float]:  # fmt: skip
     """The round's global figures (TRL's names where TRL logs the same thing). Collective."""
     rewards = torch.tensor(
@@ -555,23 +866,23 @@ def round_metrics(
         # advantage 0. When that is all of them the step trains nothing: no figure of
         # rewards or advantages is logged for it (see `Rollouts.rollout`'s warning).
         "frac_reward_none": float(none.double().mean()),
-        "frac_reward_zero_std": float((group_reward_std(rewards, group) == 0).double().mean()),
         "completions/mean_length": sum(all_lengths) / len(all_lengths),
         "completions/max_length": float(max(all_lengths)),
         "completions/min_length": float(min(all_lengths)),
         "completions/clipped_ratio": sum(all_cut) / len(all_cut),
-        "advantages/mean": float(advantages.mean()),
-        "advantages/std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
         "generation/tokens_per_second": sum(all_lengths) / max(seconds, 1e-9),
         "generation/seconds": seconds,
     }
+    if group > 1:  # a group of one has no spread
+        metrics["frac_reward_zero_std"] = float(
+            (group_reward_std(rewards, group) == 0).double().mean()
+        )
     for name in per_function:
         values = torch.tensor([v for s in stats for v in s[3][name]], dtype=torch.float64)
         metrics[f"rewards/{name}/mean"] = float(torch.nanmean(values))
         metrics[f"rewards/{name}/std"] = float(nanstd(values))
     if bool(none.all()):
-        for key in ("frac_reward_zero_std", "advantages/mean", "advantages/std"):
-            metrics.pop(key)
+        metrics.pop("frac_reward_zero_std", None)
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
@@ -599,13 +910,13 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         )  # fmt: skip
         run.summary.append(model.describe())
     rewards = Rewards(
-        reward_fns.load_reward_functions(cfg.reward.functions),
+        reward_functions(cfg),
         cfg.reward.weight_list(),
         model,
         timeout_s=cfg.reward.timeout_seconds,
     )
     frozen = None
-    if rl.beta > 0:
+    if rl.uses_reference():
         frozen = reference.build(
             policy=policy, lora_enabled=cfg.model.lora.enabled,
             load_model=fresh_model_loader(run), ds_config=run.ds_plan.reference_config(offload=False),
@@ -616,12 +927,18 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
             )  # fmt: skip
         )
     else:
-        run.summary.append(f"  reference       none ({cfg.task}.beta=0)")
+        weight = "kl_coef" if cfg.task == "ppo" else "beta"
+        run.summary.append(f"  reference       none ({cfg.task}.{weight}=0)")
     sizes = round_sizes(cfg, len(run.data.train), run.ds_plan.batch)
+    per = (
+        "step" if sizes.steps_per_round == 1 else
+        f"round, served over {sizes.steps_per_round} steps ({sizes.epochs} passes x "
+        f"{sizes.mini_batches} mini-batches)"
+    )  # fmt: skip
     run.summary += [
         rewards.describe(),
         f"  generation      {rl.num_generations} completions per prompt, "
-        f"{sizes.prompts_per_round} prompts per step ({sizes.prompts_per_rank} per rank), "
+        f"{sizes.prompts_per_round} prompts per {per} ({sizes.prompts_per_rank} per rank), "
         f"at most {rl.max_completion_length} tokens, temperature {rl.temperature:g}, "
         f"top_p {rl.top_p:g}; HF generate"
         + (", ZeRO-3 parameters gathered once per round" if policy.zero_stage == 3 else ""),

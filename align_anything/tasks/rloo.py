@@ -27,13 +27,16 @@ from align_anything.training.task import TaskSpec
 
 
 @dataclass
-class RLOO:
+class RLOO(online.SequenceAdvantages):
     """RLOO's advantages and loss (the `online.Algorithm` of task=rloo)."""
 
     rl: Any  # the rloo section
     global_batch: int
     name: str = "rloo"
-    needs_old_logps_for_reward: bool = True
+
+    def old_logps_for_reward(self) -> bool:
+        """With β > 0 the KL penalty in the reward needs the log-probs at generation time."""
+        return self.rl.beta > 0
 
     def rewards_for_advantages(
         self, rewards: list[float], batches: list[online.RolloutBatch]
@@ -57,9 +60,11 @@ class RLOO:
     def count_items(self, batch: online.RolloutBatch) -> int:
         return int(batch.loss_mask.shape[0])
 
-    def loss(self, logps: Tensor, batch: online.RolloutBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    def loss(
+        self, task: online.OnlineRL, batch: online.RolloutBatch, *, normalizer: float
+    ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         mask = batch.loss_mask
-        logps = (logps * mask).sum(-1)
+        logps = (task.token_logps(task.policy, batch) * mask).sum(-1)
         old = batch.old_logps
         old = logps.detach() if old is None else (old * mask).sum(-1)
         low, high = self.rl.clip_range()
@@ -73,7 +78,7 @@ class RLOO:
             "clip_ratio/high_mean": stats.is_high_clipped.sum(),
             "clip_ratio/region_mean": stats.is_region_clipped.sum(),
         }
-        return total, metrics
+        return {"policy": total / normalizer}, metrics
 
 
 def build(run: Run) -> tuple[online.OnlineRL, online.Rollouts]:

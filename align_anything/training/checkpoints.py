@@ -23,6 +23,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,9 +278,11 @@ def engine_tag(name: str) -> str:
 def save(
     folder: Path, *, engines: dict[str, Any], ema: Any, rank: int, is_main: bool,
     state: dict[str, Any], configs: dict[str, Any], keep_last: int,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:  # fmt: skip
     """Write checkpoint `folder` (…/step-N) under a temporary name: the DeepSpeed state of every
-    trained engine on every rank, each rank's RNG state, the weight average, then (rank 0)
+    trained engine on every rank, each rank's RNG state, the weight average, what `extra`
+    writes into the folder (called on every rank: the step source's state), then (rank 0)
     `configs` (file name →
     JSON data), the trainer `state` and, last, the manifest; rename it when complete, then
     prune the run's older checkpoints. A crash mid-save never damages the last good
@@ -300,6 +303,8 @@ def save(
         write_rng_state(tmp, rank)
         if ema is not None:
             ema.save(tmp)
+        if extra is not None:
+            extra(tmp)
         comm.barrier()
         if is_main:
             for name, data in {**configs, STATE: state}.items():

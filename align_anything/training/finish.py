@@ -1,4 +1,5 @@
-"""The end of a run: the exported folders (`final/`, `final-ema/`, `final-merged/`) and, on
+"""The end of a run: the exported folders (`final/`, `final-ema/`, `final-merged/`, and
+`final-<name>` of an engine trained beside the policy, e.g. PPO's `final-critic/`) and, on
 rank 0, the closing summary and `summary.json`."""
 
 from __future__ import annotations
@@ -13,10 +14,22 @@ from align_anything.training.task import Task
 
 
 def save_final(run: Run) -> Path | None:
-    """Export `output_dir/final` from the policy (see `checkpoints.save_final`). Collective."""
+    """Export `output_dir/final` from the policy (see `checkpoints.save_final`), and each
+    engine trained beside it whose model says how (`exported`) as `final-<name>` (PPO's critic:
+    the reward-model folder it wraps). Collective."""
     cfg = run.cfg
     if not cfg.checkpoint.save_final:
         return None
+    for name, engine in run.engines.items():
+        exported = getattr(engine.module, "exported", None)
+        if name == "policy" or exported is None:
+            continue
+        module, state = exported(engine.full_state_dict())
+        if run.dist.is_main:
+            checkpoints.write_final(
+                run.output.path / f"final-{name}", module, state,
+                tokenizer=run.model.saved_tokenizer, configs=run.configs(),
+            )  # fmt: skip
     state = run.policy.full_state_dict()
     if run.dist.is_main:
         lora = cfg.model.lora

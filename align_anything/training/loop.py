@@ -54,7 +54,7 @@ def train(run: Run, task: Task, source: StepSource, stop: StopRequest | None) ->
         every = cfg.train.log_every_steps
         if state.step % every == 0 or state.step == run.schedule.total_steps:
             log_train(run, task, window, progress)
-        after_step(run, task, progress, stop)
+        after_step(run, task, source, progress, stop)
     progress.close()
     state.train_seconds = window.elapsed()
     log_eval(run, evaluate(run, task, label="after"), "after")
@@ -102,14 +102,22 @@ def train_step(run: Run, task: Task, source: StepSource) -> StepResult:
     if grad_norm is not None and not math.isfinite(grad_norm):
         stop_on_nonfinite(run, ["grad_norm"], [grad_norm])
     result = StepResult(dict(zip(keys, values, strict=True)), items, tokens, rate, grad_norm)
+    for name in sorted(stepped - {"policy"}):
+        # An engine trained beside the policy (PPO's critic): its rate and norm, per-step
+        # figures `learning_rate/<name>` and `grad_norm/<name>`.
+        norm = run.engines[name].grad_norm()
+        if norm is not None and not math.isfinite(norm):
+            stop_on_nonfinite(run, [f"grad_norm/{name}"], [norm])
+        result.figures[f"learning_rate/{name}"] = run.engines[name].learning_rate()
+        if norm is not None:
+            result.figures[f"grad_norm/{name}"] = norm
     if produced.metrics or produced.seconds:
         # Figures of the step's production (an online-RL round: rewards, lengths, generation
         # speed), and the training throughput without the time it took.
         seconds = time.perf_counter() - start - produced.seconds
-        result.figures = {
-            **produced.metrics,
-            "train/tokens_per_second": tokens / max(seconds, 1e-9),
-        }
+        result.figures.update(
+            {**produced.metrics, "train/tokens_per_second": tokens / max(seconds, 1e-9)}
+        )
     if produced.table and run.dist.is_main:
         completions_table(
             produced.table, step=run.state.step, logger=run.logger,
@@ -133,7 +141,9 @@ def log_train(run: Run, task: Task, window: MetricWindow, progress: Progress) ->
     window.reset()
 
 
-def after_step(run: Run, task: Task, progress: Progress, stop: StopRequest | None) -> None:
+def after_step(
+    run: Run, task: Task, source: StepSource, progress: Progress, stop: StopRequest | None
+) -> None:
     """Evaluation and a checkpoint when due; a requested stop after a checkpoint."""
     cfg, step = run.cfg, run.state.step
     every_eval, every_save = cfg.train.eval_every_steps, cfg.checkpoint.every_steps
@@ -142,11 +152,11 @@ def after_step(run: Run, task: Task, progress: Progress, stop: StopRequest | Non
         log_eval(run, evaluate(run, task, label=label), label, progress)
     saved = bool(every_save) and step % every_save == 0
     if saved:
-        save_checkpoint(run)
+        save_checkpoint(run, source)
     signum = agreed_signal(stop)
     if signum:
         progress.close()
-        path = save_checkpoint(run) if not saved else checkpoint_path(run, step)
+        path = save_checkpoint(run, source) if not saved else checkpoint_path(run, step)
         raise Preempted(report.preempted(signum, step, run.schedule.total_steps, path), signum)
 
 
@@ -225,8 +235,9 @@ def checkpoint_path(run: Run, step: int) -> Path:
     return run.output.path / "checkpoints" / checkpoints.folder_name(step)
 
 
-def save_checkpoint(run: Run) -> Path:
-    """`checkpoints/step-N`, complete or not at all (see `checkpoints.save`)."""
+def save_checkpoint(run: Run, source: StepSource | None = None) -> Path:
+    """`checkpoints/step-N`, complete or not at all (see `checkpoints.save`), with what the
+    step source needs to continue exactly (`StepSource.save`)."""
     step, cfg = run.state.step, run.cfg
     state = {
         "run_id": run.output.run_id, "step": step,
@@ -239,4 +250,5 @@ def save_checkpoint(run: Run) -> Path:
         checkpoint_path(run, step), engines=run.engines, ema=run.ema, rank=run.dist.rank,
         is_main=run.dist.is_main, state=state, configs=run.configs(),
         keep_last=cfg.checkpoint.keep_last,
+        extra=(lambda folder: source.save(folder, step)) if source is not None else None,
     )  # fmt: skip

@@ -65,7 +65,8 @@ class Data:
     """The run's encoded splits, opened from the data cache: `train` (`EncodedRows`, or SFT's
     packed view of them), `eval`, the held-out records (for generation checks), the per-split
     reports (kept, dropped and why), the fingerprints a resume checks, the training rows'
-    lengths (for length grouping) and what one training item is called in the summary."""
+    lengths (for length grouping), what one training item is called in the summary, and other
+    encoded sets the task reads (`extra`, from its `prepare_data` hook)."""
 
     train: Sequence[dict]
     eval: EncodedRows
@@ -74,6 +75,8 @@ class Data:
     fingerprints: dict[str, str]
     lengths: Sequence[int]
     train_unit: str = "rows"
+    # Encoded sets a task reads beside its own (PPO's ptx conversations), by name.
+    extra: dict[str, Sequence[dict]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

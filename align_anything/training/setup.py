@@ -79,9 +79,14 @@ def setup(cfg: RunConfig, spec: TaskSpec, stack: ExitStack) -> Run:
     memory_before_model = memory.peak_memory_bytes()  # on CPU: interpreter, libraries, data
     policy, lines = build_policy(cfg, model, ds_plan, schedule, reward_head=spec.reward_head)
     summary += lines
+    engines = {"policy": policy}
+    if spec.engines is not None:  # trained beside the policy (PPO's critic), before `restore`
+        others, lines = spec.engines(cfg, model, ds_plan, schedule)
+        engines.update(others)
+        summary += lines
     run = Run(
         cfg=cfg, dist=dist, output=output, model=model, data=data, ds_plan=ds_plan,
-        schedule=schedule, engines={"policy": policy}, ema=None,
+        schedule=schedule, engines=engines, ema=None,
         memory_before_model=memory_before_model, summary=summary,
     )  # fmt: skip
     restore(run)
@@ -189,6 +194,32 @@ def build_data(
     local rank 0 of each node while the other ranks wait, then opened by every rank. Returns
     the data and its start-up summary lines."""
     pipe = data_spec(cfg, task=spec.name, kind=spec.record_kind, encoding=spec.encoding(cfg))
+    prepared, parts = prepare_cached(cfg, dist, model, pipe)
+    if not len(prepared.train):
+        raise UserError(
+            f"no usable training rows in {pipeline.describe_sources(pipe.train)}:\n"
+            + "\n".join(r.summary() for r in prepared.reports)
+        )
+    fingerprints = checkpoints.fingerprints(
+        pipeline.describe_sources(pipe.train), tokenizer=parts["tokenizer"],
+        data=cache.data_fingerprint(parts),
+    ) | {"encoder_version": cache.ENCODER_VERSION}  # fmt: skip
+    data = Data(
+        train=prepared.train, eval=prepared.eval, eval_records=prepared.eval_records,
+        reports=prepared.reports, fingerprints=fingerprints, lengths=prepared.train.lengths(),
+    )  # fmt: skip
+    lines = [f"  data cache      {prepared.note}"]
+    lines += [f"  data mix        {line}" for line in prepared.mixture]
+    return data, lines
+
+
+def prepare_cached(
+    cfg: RunConfig, dist: comm.DistInfo, model: ModelSide, pipe: pipeline.Spec
+) -> tuple[cache.Prepared, dict[str, Any]]:
+    """`pipe`'s data through the on-disk Arrow cache: rank 0 hashes the inputs into the key,
+    local rank 0 of each node checks or builds the entry while the other ranks wait (a data
+    error stops every rank with one message), then every rank memory-maps it. Returns the
+    opened entry and its key parts. Collective."""
     root = cache.cache_root(cfg.data.cache_dir)
     # Rank 0 reads and hashes the files once; every rank gets the key (or the error).
     parts = comm.decide_on_main(
@@ -210,23 +241,30 @@ def build_data(
         note = comm.fail_together(build, what="data preparation")
     else:
         comm.fail_together(None, what="data preparation")
-    prepared = cache.open_prepared(cache.folder_for(root, pipe, parts), note=note or "")
+    return cache.open_prepared(cache.folder_for(root, pipe, parts), note=note or ""), parts
+
+
+def build_extra_data(
+    cfg: RunConfig, model: ModelSide, *, task: str, path: str, kind: str, encoding: Encoding,
+    key: str,
+) -> tuple[cache.Prepared, str]:  # fmt: skip
+    """A second encoded data set beside the run's own (PPO's ptx conversations from
+    `ppo.ptx_data`): all of `path`'s rows for training (no held-out split), encoded with
+    `encoding` through the same cache (`data.max_length`, `data.truncation`, `data.cache_dir`).
+    Returns the opened entry and its data fingerprint (for the resume check); a source without
+    a usable row is one error naming `key`. Collective."""
+    source = pipeline.Source(path, "auto", {})
+    pipe = pipeline.Spec(
+        train=(source,), eval=(), eval_fraction=0.0, seed=cfg.train.seed, max_train=None,
+        max_eval=None, task=task, kind=kind, encoding=encoding, max_length=cfg.data.max_length,
+        truncation=cfg.data.truncation,
+    )  # fmt: skip
+    prepared, parts = prepare_cached(cfg, comm.dist_info(), model, pipe)
     if not len(prepared.train):
         raise UserError(
-            f"no usable training rows in {pipeline.describe_sources(pipe.train)}:\n"
-            + "\n".join(r.summary() for r in prepared.reports)
+            f"{key}={path!r}: no usable rows:\n" + "\n".join(r.summary() for r in prepared.reports)
         )
-    fingerprints = checkpoints.fingerprints(
-        pipeline.describe_sources(pipe.train), tokenizer=parts["tokenizer"],
-        data=cache.data_fingerprint(parts),
-    ) | {"encoder_version": cache.ENCODER_VERSION}  # fmt: skip
-    data = Data(
-        train=prepared.train, eval=prepared.eval, eval_records=prepared.eval_records,
-        reports=prepared.reports, fingerprints=fingerprints, lengths=prepared.train.lengths(),
-    )  # fmt: skip
-    lines = [f"  data cache      {prepared.note}"]
-    lines += [f"  data mix        {line}" for line in prepared.mixture]
-    return data, lines
+    return prepared, cache.data_fingerprint(parts)
 
 
 # ---------------------------------------------------------------------------- 5: the plan
@@ -264,7 +302,9 @@ def check_resume(
     )  # fmt: skip
     note = checkpoints.schedule_note(resume_dir.name, state, schedule.state(cfg))
     if ds_plan.universal:
-        universal.convert_to_universal(resume_dir)
+        # Every trained engine's folder: the policy's, and e.g. PPO's critic's.
+        for tag in universal.engine_tags(resume_dir):
+            universal.convert_to_universal(resume_dir, tag)
     return [f"  schedule        {note}"] if note else []
 
 
@@ -400,13 +440,18 @@ def startup_facts(run: Run, *, task: str) -> report.StartupFacts:
 
 def memory_plan(run: Run) -> str:
     """The planner's per-device estimate for this run's resolved preset (the figure
-    `python -m align_anything plan` and `deepspeed=auto` use)."""
+    `python -m align_anything plan` and `deepspeed=auto` use), every trained engine counted."""
     ds_plan = run.ds_plan
     sizes = sizes_of(run.policy.module, run.model.config)
+    beside = [
+        sizes_of(engine.module, engine.module.config)
+        for name, engine in run.engines.items() if name != "policy"
+    ]  # fmt: skip
     world = ds_plan.batch.world_size
     estimate = plan.estimate_preset(
         Path(ds_plan.source).stem, ds_plan.config, sizes, run.cfg, world_size=world,
         precision=ds_plan.precision, gpus_per_node=plan.local_devices(world),
+        trained_beside=beside,
     )  # fmt: skip
     return report.describe_estimate(estimate)
 

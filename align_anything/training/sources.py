@@ -5,6 +5,7 @@ the same rows form a step on any number of ranks and after a resume)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from align_anything.backend.ds_config import BatchPlan
@@ -59,6 +60,9 @@ class RowBatches:
         return StepBatches(
             [to_device(self.collate(self.rows_of_step(step, s)), self.device) for s in slices]
         )
+
+    def save(self, folder: Path, step: int) -> None:
+        pass  # a step's rows are a function of the seed and the step: nothing to save
 
 
 def row_batches(

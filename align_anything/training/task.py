@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from torch import Tensor
 
 from align_anything.backend.ds_config import BatchPlan
+from align_anything.backend.engine import Engine
 from align_anything.config import RunConfig
 from align_anything.data.encode import Encoding
+from align_anything.plan import DeepSpeedPlan
 from align_anything.training.run import Data, ModelSide, Run, Schedule
 
 
@@ -110,6 +113,13 @@ class StepSource(Protocol):
         """This rank's micro-batches of optimizer step `step` (0-based). Collective."""
         ...
 
+    def save(self, folder: Path, step: int) -> None:
+        """Write into checkpoint `folder` (being written, on every rank) what a run resumed
+        after `step` steps needs to produce the same next steps beyond the engines, the RNG and
+        the step (seeded rows need nothing; an online round served over several steps saves
+        itself when the checkpoint falls inside it). Collective."""
+        ...
+
 
 @dataclass(frozen=True)
 class TaskSpec:
@@ -127,6 +137,9 @@ class TaskSpec:
       (RM's pad token, KTO's held-out KL pairs, SFT packing); returns start-up summary lines.
     - `schedule(cfg, data, batch)`: steps per epoch, total and warmup steps (default: epochs
       of global batches of rows, `sources.row_schedule`).
+    - `engines(cfg, model, ds_plan, schedule)`: the engines the task trains beside the policy
+      (PPO's critic), by name, and their start-up summary lines; built after the policy and
+      before a resumed run's checkpoint is loaded, so a resume restores them too.
     """
 
     name: str
@@ -137,3 +150,9 @@ class TaskSpec:
     check: Callable[[RunConfig, ModelSide], None] | None = None
     prepare_data: Callable[[RunConfig, ModelSide, Data], list[str]] | None = None
     schedule: Callable[[RunConfig, Data, BatchPlan], Schedule] | None = None
+    engines: (
+        Callable[
+            [RunConfig, ModelSide, DeepSpeedPlan, Schedule], tuple[dict[str, Engine], list[str]]
+        ]
+        | None
+    ) = None
