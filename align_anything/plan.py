@@ -47,7 +47,6 @@ from align_anything.backend import memory
 from align_anything.config import AUTO_PRESET, ONLINE_TASKS, RunConfig, load_preset, merge_nested
 from align_anything.errors import ConfigError
 from align_anything.losses import needs_reference
-from align_anything.models.loading import text_hidden_size
 from align_anything.models.sizes import ModelSizes, model_sizes
 
 # Lowest communication first: the order `deepspeed=auto` tries them in.
@@ -117,7 +116,7 @@ def resolve_deepspeed(
     cfg: RunConfig,
     *,
     world_size: int,
-    model_config: Any,
+    bucket_width: int,
     device_type: str,
     bf16_supported: bool,
     auto_choice: tuple[str, str] | None = None,
@@ -125,7 +124,8 @@ def resolve_deepspeed(
 ) -> DeepSpeedPlan:
     """The run's DeepSpeed config, batch plan and precision: the preset the run names (or, for
     deepspeed=auto, `auto_choice` from `choose_auto_preset`, with the command line's
-    `deepspeed.*` overrides on top), every "auto" filled, and DeepSpeed's universal-load flag
+    `deepspeed.*` overrides on top), every "auto" filled (the bucket sizes from `bucket_width`:
+    a language model's hidden size, a denoiser's widest layer), and DeepSpeed's universal-load flag
     when `resume` (a checkpoint folder and its trainer state) was written under another ZeRO
     stage or world size. The validated run config is never changed."""
     notes: list[str] = []
@@ -141,7 +141,7 @@ def resolve_deepspeed(
     config, batch, precision = dsc.resolve_ds_config(
         preset,
         world_size=world_size,
-        hidden_size=text_hidden_size(model_config),
+        hidden_size=bucket_width,
         device=device_type,
         precision=train.precision,
         micro_batch=train.per_device_batch_size,

@@ -7,26 +7,20 @@ from pathlib import Path
 
 from align_anything import atomic
 from align_anything.backend import distributed as comm
-from align_anything.training import checkpoints, report
+from align_anything.training import report
 from align_anything.training.run import Run
 from align_anything.training.task import Task
 
 
 def save_final(run: Run) -> Path | None:
-    """Export `output_dir/final` from the policy (see `checkpoints.save_final`). Collective."""
+    """Export `output_dir/final` (and `final-ema/`, `final-merged/`) from the policy's gathered
+    weights, as the model family writes it. Collective."""
     cfg = run.cfg
     if not cfg.checkpoint.save_final:
         return None
     state = run.policy.full_state_dict()
     if run.dist.is_main:
-        lora = cfg.model.lora
-        checkpoints.save_final(
-            run.output.path, run.policy.module, state,
-            ema_state=run.ema.state_dict(state) if run.ema is not None else None,
-            tokenizer=run.model.saved_tokenizer, configs=run.configs(),
-            merge_onto=run.model.path if lora.enabled and lora.save_merged else None,
-            task=cfg.task,
-        )  # fmt: skip
+        run.family.save_final(run, state)  # a transformers folder, or a diffusers pipeline
     comm.barrier()
     return run.output.path / "final"
 

@@ -19,7 +19,8 @@ from torch import Tensor
 from align_anything.backend.ds_config import BatchPlan
 from align_anything.config import RunConfig
 from align_anything.data.encode import Encoding
-from align_anything.training.run import Data, ModelSide, Run, Schedule
+from align_anything.training.family import ModelFamily
+from align_anything.training.run import Data, ModelSide, PipelineSide, Run, Schedule
 
 
 @dataclass
@@ -114,7 +115,9 @@ class TaskSpec:
     function; the optional ones are None where a task needs nothing.
 
     - `record_kind`: the data format it consumes ("conversation", "preference", "unpaired",
-      "prompt").
+      "prompt"; text-to-image: "captioned" images or image "pairs").
+    - `family`: the kind of model it trains (`training.family`; None: a language model,
+      `setup.LANGUAGE_MODELS`; the text-to-image tasks: `text_to_image.PIPELINES`).
     - `encoding(cfg)`: how its records are encoded (`data.pipeline`, cached).
     - `build(run)`: the task and its step source, given the set-up run (reference models,
       reward models, generation backends are made here, as the task's fields).
@@ -130,7 +133,8 @@ class TaskSpec:
     record_kind: str
     encoding: Callable[[RunConfig], Encoding]
     build: Callable[[Run], tuple[Task, StepSource]]
+    family: ModelFamily | None = None
     reward_head: bool = False
-    check: Callable[[RunConfig, ModelSide], None] | None = None
-    prepare_data: Callable[[RunConfig, ModelSide, Data], list[str]] | None = None
+    check: Callable[[RunConfig, ModelSide | PipelineSide], None] | None = None
+    prepare_data: Callable[[RunConfig, ModelSide | PipelineSide, Data], list[str]] | None = None
     schedule: Callable[[RunConfig, Data, BatchPlan], Schedule] | None = None
