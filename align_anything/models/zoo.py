@@ -10,6 +10,8 @@ Built-in names serve the offline default run and the tests:
   would otherwise differ from the model's own init).
 - `tiny-random-llava`, `tiny-random-qwen2-audio`: the same for an image-text and an audio-text
   model, with a processor made locally (built here).
+- `tiny-t2i-shapes`: the project's own trained text-to-image pipeline (a diffusers folder,
+  ~3 MB, shipped in the package: `models/t2i_shapes.py`), not built but read where it lies.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from align_anything import atomic
 from align_anything.errors import ModelError
+from align_anything.models import t2i_shapes
 
 TEXT_SIZE = 64  # hidden size of the tiny language models
 
@@ -205,6 +208,22 @@ BUILTIN_MODELS: dict[str, tuple[Callable[[Path], None], int]] = {
 }
 
 
+# Built-in name -> a folder shipped inside the package (trained weights; nothing to build).
+SHIPPED_MODELS: dict[str, Path] = {
+    t2i_shapes.NAME: t2i_shapes.SHIPPED_DIR,
+}
+
+
+def _shipped(name: str) -> Path:
+    folder = SHIPPED_MODELS[name]
+    if not (folder / "model_index.json").is_file():
+        raise ModelError(
+            f"built-in model {name!r} should be at {folder} but its model_index.json is "
+            "missing; reinstall align_anything"
+        )
+    return folder
+
+
 def _materialise(name: str) -> Path:
     """Build a built-in model into the cache once; safe when several ranks race (file lock,
     build into a temporary folder, rename when complete)."""
@@ -235,6 +254,8 @@ def resolve_model_path(name_or_path: str) -> str:
     """A local folder for built-in names and local paths; hub names pass through unchanged."""
     if name_or_path in BUILTIN_MODELS:
         return str(_materialise(name_or_path))
+    if name_or_path in SHIPPED_MODELS:
+        return str(_shipped(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
