@@ -44,7 +44,14 @@ import torch
 
 from align_anything.backend import ds_config as dsc
 from align_anything.backend import memory
-from align_anything.config import AUTO_PRESET, ONLINE_TASKS, RunConfig, load_preset, merge_nested
+from align_anything.config import (
+    AUTO_PRESET,
+    DIFFUSION_TASKS,
+    ONLINE_TASKS,
+    RunConfig,
+    load_preset,
+    merge_nested,
+)
 from align_anything.errors import ConfigError
 from align_anything.losses import needs_reference
 from align_anything.models.sizes import ModelSizes, model_sizes
@@ -169,6 +176,47 @@ def resolve_deepspeed(
     return DeepSpeedPlan(config, batch, precision, source, tuple(notes), universal)
 
 
+def _model_states(
+    ds_config: dict[str, Any], *, total: int, trainable: int, largest_layer: int,
+    world_size: int, gpus_per_node: int, precision: str,
+) -> tuple[float, float, str]:  # fmt: skip
+    """(bytes per device, bytes per node in host memory, where the figure comes from) of the
+    trained model's weights, gradients and optimizer states under the preset."""
+    stage = dsc.zero_stage_of(ds_config)
+    offload_opt = dsc.offloads_optimizer(ds_config)
+    offload_params = dsc.offloads_params(ds_config)
+    nodes = max(1, world_size // gpus_per_node)
+    n = world_size
+    weight_bytes = 4 if precision == "fp32" else 2
+    if trainable == total and precision != "fp32":
+        host, device = memory.deepspeed_model_state_estimate(
+            stage, total_params=total, largest_layer_params=largest_layer,
+            gpus_per_node=gpus_per_node, nodes=nodes, offload_optimizer=offload_opt,
+            offload_params=offload_params,
+        )  # fmt: skip
+        if stage != 3 and not offload_opt:
+            host = 0  # the ZeRO-2 estimator's host figure is the load-time copy, not a steady state
+        return float(device), float(host), "DeepSpeed estimator"
+    # By hand: fp32 (no 16-bit copy: weights 4, grads 4, Adam 8) or mixed precision (16-bit
+    # weights and grads 2+2, fp32 master and Adam 12) for what trains; weights only for what
+    # is frozen.
+    trained, frozen = trainable, total - trainable
+    w, g, opt = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n)}.get(stage, (n, n, n))
+    weights = (trained * w + frozen * weight_bytes) / shard[0]
+    grads = trained * g / shard[1]
+    states = trained * opt / shard[2]
+    host = 0.0
+    if offload_opt:
+        host += states * gpus_per_node
+        states = 0.0
+    if offload_params and stage == 3:
+        host += weights * gpus_per_node
+        weights = 4.0 * largest_layer
+    source = "by hand (fp32)" if precision == "fp32" else "by hand (LoRA)"
+    return float(weights + grads + states), float(host), source
+
+
 def estimate_preset(
     preset: str,
     ds_config: dict[str, Any],
@@ -181,40 +229,13 @@ def estimate_preset(
 ) -> Estimate:
     """Per-device memory of `cfg` under one preset."""
     stage = dsc.zero_stage_of(ds_config)
-    offload_opt = dsc.offloads_optimizer(ds_config)
-    offload_params = dsc.offloads_params(ds_config)
-    nodes = max(1, world_size // gpus_per_node)
     n = world_size
     weight_bytes = 4 if precision == "fp32" else 2
-    full_training = sizes.trainable == sizes.total and precision != "fp32"
-    if full_training:
-        host, device = memory.deepspeed_model_state_estimate(
-            stage, total_params=sizes.total, largest_layer_params=sizes.largest_layer,
-            gpus_per_node=gpus_per_node, nodes=nodes, offload_optimizer=offload_opt,
-            offload_params=offload_params,
-        )  # fmt: skip
-        source = "DeepSpeed estimator"
-        if stage != 3 and not offload_opt:
-            host = 0  # the ZeRO-2 estimator's host figure is the load-time copy, not a steady state
-    else:
-        # By hand: fp32 (no 16-bit copy: weights 4, grads 4, Adam 8) or mixed precision (16-bit
-        # weights and grads 2+2, fp32 master and Adam 12) for what trains; weights only for what
-        # is frozen.
-        trained, frozen = sizes.trainable, sizes.total - sizes.trainable
-        w, g, opt = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
-        shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n)}.get(stage, (n, n, n))
-        weights = (trained * w + frozen * weight_bytes) / shard[0]
-        grads = trained * g / shard[1]
-        states = trained * opt / shard[2]
-        host = 0.0
-        if offload_opt:
-            host += states * gpus_per_node
-            states = 0.0
-        if offload_params and stage == 3:
-            host += weights * gpus_per_node
-            weights = 4.0 * sizes.largest_layer
-        device = weights + grads + states
-        source = "by hand (fp32)" if precision == "fp32" else "by hand (LoRA)"
+    device, host, source = _model_states(
+        ds_config, total=sizes.total, trainable=sizes.trainable,
+        largest_layer=sizes.largest_layer, world_size=world_size, gpus_per_node=gpus_per_node,
+        precision=precision,
+    )  # fmt: skip
     reference = 0.0
     share = n if stage == 3 else 1
     if _has_reference_model(cfg):
@@ -262,6 +283,8 @@ def _has_reference_model(cfg: RunConfig) -> bool:
     whose reference is the policy with adapters off, nor for DPO's reference-free losses)."""
     if cfg.model.lora.enabled:
         return False
+    if cfg.task in DIFFUSION_TASKS:
+        return cfg.task == "diffusion_dpo"  # the frozen base denoiser
     if cfg.task in ONLINE_TASKS:
         return cfg.section().beta > 0  # type: ignore[union-attr]
     if cfg.task == "kto":
@@ -317,26 +340,36 @@ def plan(
     """Estimates for every shipped preset, the per-device budget and its source."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gpus_per_node = gpus_per_node or local_devices(world_size)
-    sizes = run_model_sizes(cfg)
     precision = dsc.resolve_precision(
         cfg.train.precision,
         device,
         bf16_supported=device == "cuda" and torch.cuda.is_bf16_supported(),
     )
     estimates = []
-    for name in PRESET_ORDER:
-        preset, _ = load_preset(name)
-        estimates.append(
-            estimate_preset(
-                name,
-                preset,
-                sizes,
-                cfg,
-                world_size=world_size,
-                gpus_per_node=gpus_per_node,
-                precision=precision,
-            )  # fmt: skip
-        )
+    if cfg.task in DIFFUSION_TASKS:  # a text-to-image pipeline: its denoiser trains
+        from align_anything.models.diffusion import inspect_pipeline
+        from align_anything.models.sizes import denoiser_sizes
+
+        info = inspect_pipeline(cfg.model.name_or_path)
+        sizes: Any = denoiser_sizes(info, adapters=cfg.model.lora.adapters())
+        resolution = cfg.data.resolution or info.default_resolution
+        for name in PRESET_ORDER:
+            estimates.append(
+                estimate_denoiser(
+                    name, load_preset(name)[0], cfg, info, world_size=world_size,
+                    gpus_per_node=gpus_per_node, precision=precision, resolution=resolution,
+                )  # fmt: skip
+            )
+    else:
+        sizes = run_model_sizes(cfg)
+        for name in PRESET_ORDER:
+            preset, _ = load_preset(name)
+            estimates.append(
+                estimate_preset(
+                    name, preset, sizes, cfg, world_size=world_size,
+                    gpus_per_node=gpus_per_node, precision=precision,
+                )  # fmt: skip
+            )
     budget, source = device_budget(cfg, gpus_per_node=gpus_per_node)
     return estimates, budget, source, sizes
 
@@ -370,11 +403,15 @@ def format_table(
 ) -> str:  # fmt: skip
     """The planner's printed report."""
     limit = budget * HEADROOM
+    shape = (
+        f"resolution {cfg.data.resolution or 'the pipeline default'}"
+        if cfg.task in DIFFUSION_TASKS
+        else f"max_length {cfg.data.max_length}"
+    )
     lines = [
         f"memory plan: task={cfg.task} model={cfg.model.name_or_path} "
         f"({sizes.total / 1e6:.1f}M parameters, {sizes.trainable / 1e6:.2f}M trainable), "
-        f"world size {world_size}, micro-batch {cfg.train.per_device_batch_size}, "
-        f"max_length {cfg.data.max_length}",
+        f"world size {world_size}, micro-batch {cfg.train.per_device_batch_size}, {shape}",
         f"budget per device: {budget / GIB:.2f} GiB ({source}); fits if total <= "
         f"{limit / GIB:.2f} GiB",
         "",
@@ -389,7 +426,8 @@ def format_table(
             f"{e.host / GIB:>11.2f}  {'yes ' if e.total <= limit else 'no  '}  {e.source}"
         )
     lines.append(
-        "(GiB per device; 'ref': frozen models (reference, reward model); 'gen.': online RL's "
+        "(GiB per device; 'ref': frozen models (reference, reward model; text-to-image: the VAE "
+        "and text encoders too); 'gen.': online RL's "
         "generation (ZeRO-3 gathered weights, KV cache), counted as max(activ., gen.); 'ZeRO "
         "paper': 16 / 4+12/N / 2+14/N / 16/N bytes per parameter)"
     )
@@ -399,3 +437,169 @@ def format_table(
     except ConfigError as err:
         lines.append(str(err))
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- denoisers
+
+
+# Estimates of activation memory already measured in this process: (pipeline, resolution,
+# samples, precision, gradient checkpointing) -> bytes.
+_ACTIVATIONS: dict[tuple[Any, ...], float] = {}
+
+
+def _text_length(info: Any, part: str, default: int) -> int:
+    """A tokenizer's `model_max_length` from its config file (the tokens of a prompt)."""
+    import json
+
+    config = info.path / part / "tokenizer_config.json"
+    try:
+        length = json.loads(config.read_text()).get("model_max_length")
+    except (OSError, ValueError):
+        length = None
+    return int(length) if isinstance(length, (int, float)) and 0 < length < 1e6 else default
+
+
+def _meta_conditioning(info: Any, samples: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Text conditioning of the shapes a family's pipeline feeds its denoiser (on the current
+    device: call under `torch.device("meta")`)."""
+    from align_anything.models.diffusion.families import DEFAULT_T5_LENGTH
+
+    config = info.denoiser_config
+    clip = _text_length(info, "tokenizer", 77)
+    if info.family in ("sd", "sdxl"):
+        width, tokens = int(config["cross_attention_dim"]), clip
+    else:
+        t5_part = "tokenizer_3" if info.family == "sd3" else "tokenizer_2"
+        t5 = min(DEFAULT_T5_LENGTH[info.family], _text_length(info, t5_part, 10**6))
+        width, tokens = int(config["joint_attention_dim"]), t5 + (clip if info.family == "sd3" else 0)
+    batch = {"prompt_embeds": torch.zeros(samples, tokens, width, dtype=dtype)}
+    if info.family == "sdxl":
+        pooled = int(config["projection_class_embeddings_input_dim"]) - 6 * int(
+            config["addition_time_embed_dim"]
+        )
+        batch["pooled_prompt_embeds"] = torch.zeros(samples, pooled, dtype=dtype)
+        batch["add_time_ids"] = torch.zeros(samples, 6, dtype=dtype)
+    elif info.family in ("sd3", "flux"):
+        pooled = int(config["pooled_projection_dim"])
+        batch["pooled_prompt_embeds"] = torch.zeros(samples, pooled, dtype=dtype)
+    return batch
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Scaled dot-product attention as a memory-efficient kernel keeps it for backward (the
+    inputs, the output and one log-sum-exp per query; never the score matrix), for the meta
+    forward of `denoiser_activations`: on the meta device torch would take its math path, which
+    saves the whole softmax, and overstate attention at high resolution many times over."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Any:
+        out = query.new_empty(*query.shape[:-1], value.shape[-1])
+        lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:  # never run: shapes only
+        query, key, value, _, _ = ctx.saved_tensors
+        return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def denoiser_activations(
+    info: Any, *, resolution: int, samples: int, precision: str, gradient_checkpointing: bool
+) -> float:
+    """Bytes of activations one training forward of `samples` images at `resolution` keeps for
+    backward, measured by running the denoiser on the meta device (shapes only: no weights, no
+    memory, seconds for a 12B Flux) and adding up every tensor autograd saves that is not a
+    parameter (attention counted as a memory-efficient kernel keeps it, see `_FlashAttention`).
+    With gradient checkpointing, diffusers' checkpointed blocks keep only their inputs; one
+    block's activations (the mean over blocks) are added for the block being recomputed.
+    Hand-written: no library estimates a denoiser's activations (DeepSpeed's estimators count
+    model states only; the LM formula of Korthikanti et al. does not describe convolutions)."""
+    import torch.nn.functional as F
+
+    from align_anything.forward_diffusion import predict
+    from align_anything.models.diffusion.pipeline import empty_denoiser
+
+    key = (str(info.path), info.family, repr(sorted(info.denoiser_config.items())), resolution,
+           samples, precision, gradient_checkpointing)  # fmt: skip
+    if key in _ACTIVATIONS:
+        return _ACTIVATIONS[key]
+    dtype = dsc.torch_dtype(precision)
+    side = resolution // info.vae_scale_factor
+    saved: dict[int, torch.Tensor] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if not (tensor.is_leaf and tensor.requires_grad):  # parameters are not activations
+            saved[id(tensor)] = tensor  # held, so no id is reused
+        return tensor
+
+    blocks = [0]
+    sdpa = F.scaled_dot_product_attention
+    with torch.device("meta"):
+        denoiser = empty_denoiser(info, dtype=dtype).train()
+        if gradient_checkpointing:
+            denoiser.enable_gradient_checkpointing()
+            checkpoint = denoiser._gradient_checkpointing_func
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                blocks[0] += 1
+                return checkpoint(*args, **kwargs)
+
+            denoiser._gradient_checkpointing_func = counted
+        batch = _meta_conditioning(info, samples, dtype)
+        noisy = torch.zeros(samples, info.latent_channels, side, side)
+        F.scaled_dot_product_attention = lambda q, k, v, *a, **kw: _FlashAttention.apply(q, k, v)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+                predict(denoiser, info, noisy, torch.zeros(samples), batch)
+        finally:
+            F.scaled_dot_product_attention = sdpa
+    total = float(sum(t.numel() * t.element_size() for t in saved.values()))
+    if gradient_checkpointing and blocks[0]:
+        whole = denoiser_activations(info, resolution=resolution, samples=samples,
+                                     precision=precision, gradient_checkpointing=False)  # fmt: skip
+        total += whole / blocks[0]
+    _ACTIVATIONS[key] = total
+    return total
+
+
+def denoiser_samples(cfg: RunConfig) -> int:
+    """Images one micro-batch runs through the trained denoiser with gradients: a
+    Diffusion-DPO pair is two (the reference's forward keeps nothing)."""
+    micro = cfg.train.per_device_batch_size
+    micro = micro if isinstance(micro, int) else 4
+    return micro * (2 if cfg.task == "diffusion_dpo" else 1)
+
+
+def estimate_denoiser(
+    preset: str, ds_config: dict[str, Any], cfg: RunConfig, info: Any, *, world_size: int,
+    gpus_per_node: int, precision: str, resolution: int,
+) -> Estimate:  # fmt: skip
+    """Per-device memory of a text-to-image run under one preset: the denoiser's model states
+    (as a language model's), Diffusion-DPO's frozen base denoiser (none with LoRA: the adapters
+    disabled), the frozen VAE and text encoders (whole on every rank), and the activations of a
+    micro-batch measured on the meta device (`denoiser_activations`)."""
+    from align_anything.models.sizes import denoiser_sizes, frozen_part_sizes
+
+    sizes = denoiser_sizes(info, adapters=cfg.model.lora.adapters())
+    stage = dsc.zero_stage_of(ds_config)
+    weight_bytes = 4 if precision == "fp32" else 2
+    device, host, source = _model_states(
+        ds_config, total=sizes.total, trainable=sizes.trainable,
+        largest_layer=sizes.largest_layer, world_size=world_size, gpus_per_node=gpus_per_node,
+        precision=precision,
+    )  # fmt: skip
+    reference = sum(frozen_part_sizes(info).values()) * weight_bytes
+    if _has_reference_model(cfg):
+        reference += sizes.total * weight_bytes / (world_size if stage == 3 else 1)
+    activations = denoiser_activations(
+        info, resolution=resolution, samples=denoiser_samples(cfg), precision=precision,
+        gradient_checkpointing=cfg.speed.gradient_checkpointing,
+    )  # fmt: skip
+    return Estimate(
+        preset=preset, stage=stage, model_states=device, host=host, reference=reference,
+        activations=activations,
+        paper=memory.estimate_model_state_memory(sizes.total, stage, world_size, offload=False)
+        * GIB,
+        source=source,
+    )  # fmt: skip

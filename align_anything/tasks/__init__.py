@@ -7,7 +7,7 @@ The loop (`training/loop.py`) does not change."""
 
 from __future__ import annotations
 
-from align_anything.tasks import dpo, grpo, kto, rloo, rm, sft
+from align_anything.tasks import diffusion_dpo, diffusion_sft, dpo, grpo, kto, rloo, rm, sft
 from align_anything.training.task import TaskSpec
 
 TASKS: dict[str, TaskSpec] = {
@@ -17,4 +17,6 @@ TASKS: dict[str, TaskSpec] = {
     "kto": kto.SPEC,
     "grpo": grpo.SPEC,
     "rloo": rloo.SPEC,
+    "diffusion_sft": diffusion_sft.SPEC,
+    "diffusion_dpo": diffusion_dpo.SPEC,
 }

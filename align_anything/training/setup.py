@@ -197,6 +197,7 @@ def build_data(
     seconds, not after a model load) into the on-disk Arrow cache (`data.cache`), built by
     local rank 0 of each node while the other ranks wait, then opened by every rank. Returns
     the data and its start-up summary lines."""
+    assert spec.encoding is not None, f"{spec.name} encodes no text"
     pipe = data_spec(cfg, task=spec.name, kind=spec.record_kind, encoding=spec.encoding(cfg))
     root = cache.cache_root(cfg.data.cache_dir)
     # Rank 0 reads and hashes the files once; every rank gets the key (or the error).

@@ -77,6 +77,12 @@ class Task(Protocol):
         """Derive logged figures from averaged metrics (perplexity from loss, ...)."""
         ...
 
+    def after_step(self, step: int) -> None:
+        """The task's own work after optimizer step `step` (1-based), before any evaluation or
+        checkpoint of that step: the text-to-image tasks' sample grid every
+        `logging.samples_every` steps; nothing for most tasks. Collective where it gathers."""
+        ...
+
     def evaluate_extra(self, label: str) -> dict[str, float]:
         """The task's own held-out figures (generation checks), before and after training.
         Collective."""
@@ -118,7 +124,9 @@ class TaskSpec:
       "prompt"; text-to-image: "captioned" images or image "pairs").
     - `family`: the kind of model it trains (`training.family`; None: a language model,
       `setup.LANGUAGE_MODELS`; the text-to-image tasks: `text_to_image.PIPELINES`).
-    - `encoding(cfg)`: how its records are encoded (`data.pipeline`, cached).
+    - `encoding(cfg)`: how its records are encoded (`data.pipeline`, cached); None for the
+      text-to-image tasks, whose images and captions go through the pipeline's own encoders
+      into the latent cache.
     - `build(run)`: the task and its step source, given the set-up run (reference models,
       reward models, generation backends are made here, as the task's fields).
     - `reward_head`: the trained model is a scalar-head reward model (task=rm).
@@ -131,7 +139,7 @@ class TaskSpec:
 
     name: str
     record_kind: str
-    encoding: Callable[[RunConfig], Encoding]
+    encoding: Callable[[RunConfig], Encoding] | None
     build: Callable[[Run], tuple[Task, StepSource]]
     family: ModelFamily | None = None
     reward_head: bool = False

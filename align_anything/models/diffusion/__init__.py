@@ -26,6 +26,7 @@ from align_anything.models.diffusion.families import FAMILIES
 from align_anything.models.diffusion.pipeline import (
     FrozenParts,
     PipelineInfo,
+    bucket_width,
     denoiser_from_state_dict,
     empty_denoiser,
     encoder_identity,
@@ -44,6 +45,7 @@ __all__ = [
     "PipelineInfo",
     "adapters_disabled",
     "add_denoiser_adapters",
+    "bucket_width",
     "denoiser_from_state_dict",
     "default_denoiser_targets",
     "empty_denoiser",

@@ -114,12 +114,13 @@ def adapter_state(denoiser: torch.nn.Module, state_dict: dict[str, torch.Tensor]
 
 def save_denoiser_adapter(
     denoiser: torch.nn.Module, state_dict: dict[str, torch.Tensor], directory: Path, *,
-    family: str, denoiser_part: str,
+    family: str, denoiser_part: str, configs: dict[str, Any] | None = None,
 ) -> Path:  # fmt: skip
     """Write the adapter of `denoiser` from a full gathered `state_dict` (ZeRO-3: the engine's
     consolidated one) into `directory` (atomically) as the family's pipeline class writes it:
-    `pytorch_lora_weights.safetensors`, which `pipeline.load_lora_weights(directory)` loads.
-    An adapter without weights (an empty ZeRO-3 partition) is refused rather than saved."""
+    `pytorch_lora_weights.safetensors`, which `pipeline.load_lora_weights(directory)` loads,
+    with `configs` (file name -> JSON data) beside it. An adapter without weights (an empty
+    ZeRO-3 partition) is refused rather than saved."""
     import diffusers
 
     from align_anything.models.diffusion.families import PIPELINE_CLASSES
@@ -143,6 +144,8 @@ def save_denoiser_adapter(
             tmp, safe_serialization=True, **{f"{denoiser_part}_lora_layers": layers},
             **{f"{denoiser_part}_lora_adapter_metadata": config},
         )  # fmt: skip
+        for name, data in (configs or {}).items():
+            (tmp / name).write_text(atomic.to_json(data))
     return Path(directory)
 
 

@@ -140,9 +140,9 @@ def resolve_pipeline_path(name_or_path: str) -> Path:
     """The local folder of a built-in name (`tiny-random-sd`, ...), a local folder, or a hub
     name already in the local Hugging Face cache; a `ModelError` naming the fix otherwise."""
     from align_anything.models.diffusion.tiny import BUILTIN_PIPELINES
-    from align_anything.models.zoo import BUILTIN_MODELS, resolve_model_path
+    from align_anything.models.zoo import BUILTIN_MODELS, SHIPPED_MODELS, resolve_model_path
 
-    if name_or_path in BUILTIN_MODELS:
+    if name_or_path in BUILTIN_MODELS or name_or_path in SHIPPED_MODELS:
         folder = Path(resolve_model_path(name_or_path))
         if not is_pipeline_folder(folder):
             raise _not_a_pipeline(name_or_path, folder)
@@ -153,10 +153,11 @@ def resolve_pipeline_path(name_or_path: str) -> Path:
             raise _not_a_pipeline(name_or_path, folder)
         return folder
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
-        hint = did_you_mean(name_or_path, BUILTIN_PIPELINES)
+        names = [*SHIPPED_MODELS, *BUILTIN_PIPELINES]
+        hint = did_you_mean(name_or_path, names)
         raise ModelError(
             f"model.name_or_path={name_or_path!r}: no such folder{hint}; built-in pipelines: "
-            f"{', '.join(BUILTIN_PIPELINES)}"
+            f"{', '.join(names)}"
         )
     try:  # a hub name: diffusers' own download (safetensors only), from the cache when offline
         from diffusers import DiffusionPipeline
@@ -517,15 +518,31 @@ def denoiser_from_state_dict(
     return merge_adapters(model).eval()
 
 
-def save_pipeline(parts: FrozenParts, denoiser: torch.nn.Module, out: Path) -> Path:
+def save_pipeline(
+    parts: FrozenParts, denoiser: torch.nn.Module, out: Path, *,
+    configs: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
     """Write a complete diffusers folder (every part, the folder's own sampling scheduler) that
     `DiffusionPipeline.from_pretrained(out)` loads, atomically (`atomic.folder`): `final/`.
-    `denoiser` is a whole model without adapters (`denoiser_from_state_dict`)."""
+    `denoiser` is a whole model without adapters (`denoiser_from_state_dict`); `configs` (file
+    name -> JSON data, e.g. the run's resolved configs) are written beside the parts."""
     from align_anything import atomic
 
     with atomic.folder(Path(out)) as tmp:
         parts.pipeline(denoiser).save_pretrained(tmp, safe_serialization=True)
+        for name, data in (configs or {}).items():
+            (tmp / name).write_text(atomic.to_json(data))
     return Path(out)
+
+
+def bucket_width(info: PipelineInfo) -> int:
+    """The denoiser's widest hidden size (a UNet's last block's channels, a transformer's
+    heads x head size): what DeepSpeed's bucket sizes follow, as a language model's hidden
+    size does (`backend.ds_config`)."""
+    config = info.denoiser_config
+    if info.family in ("sd", "sdxl"):
+        return int(max(config.get("block_out_channels") or [320]))
+    return int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 64))
 
 
 # ----------------------------------------------------------------- identity, for the cache key
