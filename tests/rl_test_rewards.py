@@ -36,3 +36,8 @@ def hangs(prompts: list, completions: list[str], **fields) -> list[float]:
         Path(os.environ["RL_TEST_MARKER"]).touch()
     while True:
         time.sleep(3600)
+
+
+def no_opinion(prompts: list, completions: list[str], **fields) -> list[float | None]:
+    """A reward with no opinion on any completion (every value None)."""
+    return [None] * len(completions)

@@ -317,3 +317,39 @@ def test_mixed_image_and_text_prompts_under_zero3_on_two_ranks_do_not_hang(
     one = launch([*VLM_ARGS, *data, "deepspeed=z0", "train.per_device_batch_size=4"],
                  tmp_path / "one").check()  # fmt: skip
     _same_steps(two, one, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- issue 24, 3/4/21
+
+
+def test_a_step_whose_completions_are_all_masked_still_logs_its_round(tmp_path: Path) -> None:
+    """Every completion truncated and masked (max_completion_length=1): no loss items, but the
+    round's figures are what happened (every completion clipped, the rewards), not zeros."""
+    args = [a for a in GRPO_ARGS if not a.startswith("grpo.max_completion_length")]
+    run = launch(
+        [*args, "deepspeed=z0", "train.per_device_batch_size=8", "train.max_steps=1",
+         "grpo.max_completion_length=1", "grpo.mask_truncated_completions=true"],
+        tmp_path / "masked",
+    ).check()  # fmt: skip
+    step = run.train_steps()[0]
+    assert step["completions/clipped_ratio"] == 1.0
+    assert step["completions/mean_length"] == 1.0
+    assert step["reward"] != 0.0  # length_penalty of a 1-token completion
+
+
+def test_a_step_without_any_reward_opinion_says_so(tmp_path: Path) -> None:
+    run = launch(
+        [*GRPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8", "train.max_steps=1",
+         "reward.functions=[rl_test_rewards:no_opinion]", "grpo.eval_samples=0"],
+        tmp_path / "none",
+        extra_env={"PYTHONPATH": str(REPO_ROOT / "tests")},
+    ).check()  # fmt: skip
+    assert "warning: step 1: no reward had an opinion on any of its 8 completions" in run.output
+    step = run.train_steps()[0]
+    assert step["frac_reward_none"] == 1.0
+    assert "reward" not in step and "advantages/mean" not in step
+    # Evaluation was switched off: the closing summary says that, not that rows were dropped.
+    assert "no held-out metrics: grpo.eval_samples=0 switches the held-out evaluation off" in (
+        run.output
+    )
+    assert "was dropped" not in run.output

@@ -288,6 +288,7 @@ class OnlineRL:
     count_unit: str = "tokens"
     metric_keys: tuple[str, ...] = ("loss",)
     eval_loss: bool = False
+    eval_off: str | None = None  # why the held-out evaluation is off (eval_samples=0)
 
     def collate(self, rows: list[dict]) -> RolloutBatch:
         """prompt + completion per row, right-padded; labels on the completion only; the loss
@@ -513,6 +514,14 @@ class Rollouts:
             round_metrics(total, per_function, completions, advantages, group=rl.num_generations)
             | extra
         )
+        if metrics["frac_reward_none"] == 1.0 and self.rank == 0:
+            print(
+                f"warning: step {step + 1}: no reward had an opinion on any of its "
+                f"{int(gathered.numel())} completions (every reward returned None), so every "
+                "advantage is 0 and the step changes nothing; check the reward functions' "
+                "fields and conditions",
+                flush=True,
+            )
         table = []
         every = self.logging.completions_every
         if every and (step + 1) % every == 0:
@@ -541,9 +550,14 @@ def round_metrics(
     all_lengths = [n for s in stats for n in s[0]]
     all_cut = [c for s in stats for c in s[1]]
     seconds = max(s[2] for s in stats)
+    none = torch.isnan(rewards)
     metrics = {
         "reward": float(torch.nanmean(rewards)),
         "reward_std": float(nanstd(rewards)),
+        # Completions no reward had an opinion on (every function said None): they get
+        # advantage 0. When that is all of them the step trains nothing: no figure of
+        # rewards or advantages is logged for it (see `Rollouts.rollout`'s warning).
+        "frac_reward_none": float(none.double().mean()),
         "frac_reward_zero_std": float((group_reward_std(rewards, group) == 0).double().mean()),
         "completions/mean_length": sum(all_lengths) / len(all_lengths),
         "completions/max_length": float(max(all_lengths)),
@@ -558,6 +572,9 @@ def round_metrics(
         values = torch.tensor([v for s in stats for v in s[3][name]], dtype=torch.float64)
         metrics[f"rewards/{name}/mean"] = float(torch.nanmean(values))
         metrics[f"rewards/{name}/std"] = float(nanstd(values))
+    if bool(none.all()):
+        for key in ("frac_reward_zero_std", "advantages/mean", "advantages/std"):
+            metrics.pop(key)
     return {k: v for k, v in metrics.items() if math.isfinite(v)}
 
 
@@ -626,5 +643,7 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         completion_only=completion_only_logits(cfg, policy), share_prefix=share_prefix,
         mask_dtype=mask_dtype(policy.module), rank=run.dist.rank, world=run.dist.world_size,
         name=cfg.task,
+        eval_off=f"{cfg.task}.eval_samples=0 switches the held-out evaluation off"
+        if rl.eval_samples == 0 else None,
     )  # fmt: skip
     return task, Rollouts(run, task, frozen, sizes)

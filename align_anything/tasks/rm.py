@@ -82,6 +82,7 @@ class RM:
     count_unit: str = "samples"
     metric_keys: tuple[str, ...] = ("loss", "accuracy", "margin", "reward_sum", "reward_sq_sum")
     eval_loss: bool = True
+    eval_off: str | None = None
 
     def collate(self, rows: list[dict]) -> PairScores:
         sequences = collate_preference(rows, pad_id=self.pad_id)

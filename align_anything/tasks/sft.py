@@ -86,6 +86,7 @@ class SFT:
     count_unit: str = "tokens"
     metric_keys: tuple[str, ...] = ("loss",)
     eval_loss: bool = True
+    eval_off: str | None = None
 
     def collate(self, rows: list[dict]) -> Layout:
         if rows and isinstance(rows[0], PackedSequence):

@@ -35,7 +35,7 @@ def report_finished(run: Run, task: Task) -> None:
         report.final_summary(
             task=run.cfg.task, steps=state.step, history=state.history,
             train_seconds=state.train_seconds, peaks=state.peak_memory,
-            no_eval_reason=report.why_no_eval(
+            no_eval_reason=task.eval_off or report.why_no_eval(
                 eval_records=len(data.eval_records), reports=data.reports,
                 max_length=run.cfg.data.max_length,
             ),

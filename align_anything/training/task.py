@@ -47,6 +47,9 @@ class Task(Protocol):
     metric_keys: tuple[str, ...]
     # Whether the held-out rows get the training loss (False: online RL, whose rows are prompts).
     eval_loss: bool
+    # Why the task's held-out evaluation is switched off by the config (None: it is not): the
+    # closing summary says so instead of guessing that the held-out rows were dropped.
+    eval_off: str | None
 
     def collate(self, rows: list[dict]) -> Any:
         """A batch (a dataclass of tensors) from encoded rows."""

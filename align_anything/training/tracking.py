@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -180,13 +180,18 @@ class Progress:
 
 @dataclass
 class StepResult:
-    """One optimizer step, summed over every rank: metric sums, items, tokens, rate, norm."""
+    """One optimizer step, summed over every rank: metric sums (over the step's items), items,
+    tokens, rate, norm; and `figures`, global per-step values that are not sums over items (an
+    online round's mean reward, lengths, generation speed): averaged over the steps logged
+    together, never scaled by the item count (a step whose items are all masked still reports
+    its round)."""
 
     sums: dict[str, float]
     items: float
     tokens: float
     learning_rate: float
     grad_norm: float | None
+    figures: dict[str, float] = field(default_factory=dict)
 
 
 class MetricWindow:
@@ -198,6 +203,7 @@ class MetricWindow:
 
     def reset(self) -> None:
         self.sums: dict[str, float] = {}
+        self.figures: dict[str, list[float]] = {}
         self.items = self.tokens = 0.0
         self.learning_rate = 0.0
         self.grad_norm: float | None = None
@@ -206,13 +212,17 @@ class MetricWindow:
     def add(self, step: StepResult) -> None:
         for key, value in step.sums.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
+        for key, value in step.figures.items():
+            self.figures.setdefault(key, []).append(value)
         self.items += step.items
         self.tokens += step.tokens
         self.learning_rate, self.grad_norm = step.learning_rate, step.grad_norm
 
     def averages(self) -> dict[str, float]:
-        """Each metric per item (token for SFT, pair for DPO/RM) over the window."""
-        return {k: v / max(self.items, 1.0) for k, v in self.sums.items()}
+        """Each metric per item (token for SFT, pair for DPO/RM) over the window; each
+        per-step figure as its mean over the window's steps."""
+        per_item = {k: v / max(self.items, 1.0) for k, v in self.sums.items()}
+        return per_item | {k: sum(v) / len(v) for k, v in self.figures.items()}
 
     def rates(self, *, samples: bool) -> dict[str, float | None]:
         """The last step's rate and norm, throughput over the window, time since the start."""
