@@ -62,6 +62,7 @@ class DiffusionDPO:
     count_unit: str = "samples"
     metric_keys: tuple[str, ...] = METRICS
     eval_loss: bool = True
+    eval_off: str | None = None
 
     def collate(self, rows: list) -> ImagePairBatch:
         return self.denoise.collate_pairs(rows)

@@ -55,6 +55,7 @@ class DiffusionSFT:
     count_unit: str = "samples"
     metric_keys: tuple[str, ...] = ("loss", "mse")
     eval_loss: bool = True
+    eval_off: str | None = None
 
     def collate(self, rows: list) -> ImageBatch:
         return self.denoise.collate_images(rows)
