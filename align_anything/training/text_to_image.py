@@ -64,6 +64,7 @@ SAMPLES_DIR = "samples"
 DEFAULT_SAMPLE_PROMPTS = 4  # held-out captions in the grid when logging.sample_prompts is null
 # Held-out captions kept for the sample grid (the data may hold many more).
 KEPT_CAPTIONS = 256
+ENCODE_BATCH = 32  # images (and captions) per pass through the VAE (text encoders) when caching
 
 
 # ---------------------------------------------------------------------------- the model side
@@ -186,7 +187,7 @@ def _prepare_images(
         note = ensure_latent_cache(
             source, key, root=root, resolution=model.resolution,
             encode_images=parts.encode_images, encode_prompts=parts.encode_prompts,
-            on_start=started,
+            batch_size=ENCODE_BATCH, on_start=started,
         )  # fmt: skip
         folders.append(latent_cache_folder(root, key))
         notes.append(f"{what}: {note}")

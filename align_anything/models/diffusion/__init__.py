@@ -17,6 +17,7 @@ diffusion tasks (denoising fine-tuning, Diffusion-DPO).
 """
 
 from align_anything.models.diffusion.adapters import (
+    LORA_WEIGHTS,
     adapters_disabled,
     add_denoiser_adapters,
     default_denoiser_targets,
@@ -41,6 +42,7 @@ from align_anything.models.diffusion.sampling import sample_images, save_grid
 
 __all__ = [
     "FAMILIES",
+    "LORA_WEIGHTS",
     "FrozenParts",
     "PipelineInfo",
     "adapters_disabled",

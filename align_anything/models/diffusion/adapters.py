@@ -31,6 +31,10 @@ UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 TRANSFORMER_TARGETS = (*UNET_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
+# The file diffusers' `save_lora_weights` writes and `load_lora_weights` reads.
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+
+
 def default_denoiser_targets(family: str) -> list[str]:
     """The modules LoRA adapts by default in a denoiser of `family`."""
     return list(UNET_TARGETS if family in ("sd", "sdxl") else TRANSFORMER_TARGETS)

@@ -267,8 +267,17 @@ def _denoiser_cls(info: PipelineInfo) -> type:
 def empty_denoiser(info: PipelineInfo, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The denoiser built from its config with fresh weights (under `torch.device("meta")`:
     sizes only, no memory)."""
+    from diffusers.utils import logging as diffusers_logging
+
     model = _denoiser_cls(info).from_config(info.denoiser_config)
-    return model.to(dtype) if dtype is not None else model
+    if dtype is None:
+        return model
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # "modules that should be kept in float32: []"
+    try:
+        return model.to(dtype)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -381,6 +390,20 @@ def _frozen(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Mod
     return module
 
 
+def _pipeline_class(name: str) -> Any:
+    """A diffusers pipeline class, imported without transformers' notes on image processors
+    the text-to-image pipelines never use ("CLIPImageProcessor requires torchvision")."""
+    import diffusers
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        return getattr(diffusers, name)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
 @dataclass
 class FrozenParts:
     """The parts of a pipeline that do not train: VAE, text encoders and tokenizers (in eval
@@ -404,12 +427,11 @@ class FrozenParts:
         """The family's text-to-image pipeline object over these modules and `denoiser` (None
         for the text side only: a denoiser on the meta device stands in, whose config the
         prompt encoding reads, e.g. SD3 without T5): references, no copies. No progress bar."""
-        import diffusers
 
         if denoiser is None:
             with torch.device("meta"):
                 denoiser = empty_denoiser(self.info)
-        cls = getattr(diffusers, self.info.pipeline_class)
+        cls = _pipeline_class(self.info.pipeline_class)
         expected, optional = cls._get_signature_keys(cls)
         parts: dict[str, Any] = {
             "vae": self.vae, "scheduler": self.scheduler, self.info.denoiser_part: denoiser,
