@@ -348,16 +348,21 @@ def plan(
     estimates = []
     if cfg.task in DIFFUSION_TASKS:  # a text-to-image pipeline: its denoiser trains
         from align_anything.models.diffusion import inspect_pipeline
-        from align_anything.models.sizes import denoiser_sizes
 
         info = inspect_pipeline(cfg.model.name_or_path)
-        sizes: Any = denoiser_sizes(info, adapters=cfg.model.lora.adapters())
         resolution = cfg.data.resolution or info.default_resolution
+        figures = denoiser_figures(cfg, info, precision=precision, resolution=resolution)
+        sizes: Any = figures.sizes
         for name in PRESET_ORDER:
             estimates.append(
                 estimate_denoiser(
-                    name, load_preset(name)[0], cfg, info, world_size=world_size,
-                    gpus_per_node=gpus_per_node, precision=precision, resolution=resolution,
+                    name,
+                    load_preset(name)[0],
+                    cfg,
+                    figures,
+                    world_size=world_size,
+                    gpus_per_node=gpus_per_node,
+                    precision=precision,
                 )  # fmt: skip
             )
     else:
@@ -366,8 +371,13 @@ def plan(
             preset, _ = load_preset(name)
             estimates.append(
                 estimate_preset(
-                    name, preset, sizes, cfg, world_size=world_size,
-                    gpus_per_node=gpus_per_node, precision=precision,
+                    name,
+                    preset,
+                    sizes,
+                    cfg,
+                    world_size=world_size,
+                    gpus_per_node=gpus_per_node,
+                    precision=precision,
                 )  # fmt: skip
             )
     budget, source = device_budget(cfg, gpus_per_node=gpus_per_node)
@@ -471,7 +481,10 @@ def _meta_conditioning(info: Any, samples: int, dtype: torch.dtype) -> dict[str,
     else:
         t5_part = "tokenizer_3" if info.family == "sd3" else "tokenizer_2"
         t5 = min(DEFAULT_T5_LENGTH[info.family], _text_length(info, t5_part, 10**6))
-        width, tokens = int(config["joint_attention_dim"]), t5 + (clip if info.family == "sd3" else 0)
+        width, tokens = (
+            int(config["joint_attention_dim"]),
+            t5 + (clip if info.family == "sd3" else 0),
+        )
     batch = {"prompt_embeds": torch.zeros(samples, tokens, width, dtype=dtype)}
     if info.family == "sdxl":
         pooled = int(config["projection_class_embeddings_input_dim"]) - 6 * int(
@@ -529,8 +542,12 @@ def denoiser_activations(
     saved: dict[int, torch.Tensor] = {}
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:
-        if not (tensor.is_leaf and tensor.requires_grad):  # parameters are not activations
-            saved[id(tensor)] = tensor  # held, so no id is reused
+        # Parameters, and views of them (a Linear saves its weight transposed), are not
+        # activations.
+        # Views of one tensor are counted once, as the tensor they view.
+        base = tensor if tensor._base is None else tensor._base
+        if not (base.is_leaf and base.requires_grad):
+            saved[id(base)] = base  # held, so no id is reused
         return tensor
 
     blocks = [0]
@@ -571,17 +588,42 @@ def denoiser_samples(cfg: RunConfig) -> int:
     return micro * (2 if cfg.task == "diffusion_dpo" else 1)
 
 
+@dataclass(frozen=True)
+class DenoiserFigures:
+    """What a text-to-image run's estimate is made of, whatever the preset: the denoiser's
+    parameter counts (`models.sizes.DenoiserSizes`), the frozen VAE's and text encoders'
+    parameters, and a micro-batch's activations (`denoiser_activations`)."""
+
+    sizes: Any
+    frozen_parts: int
+    activations: float
+
+
+def denoiser_figures(
+    cfg: RunConfig, info: Any, *, precision: str, resolution: int
+) -> DenoiserFigures:
+    """The run's `DenoiserFigures`, from the pipeline's configs on the meta device."""
+    from align_anything.models.sizes import denoiser_sizes, frozen_part_sizes
+
+    return DenoiserFigures(
+        sizes=denoiser_sizes(info, adapters=cfg.model.lora.adapters()),
+        frozen_parts=sum(frozen_part_sizes(info).values()),
+        activations=denoiser_activations(
+            info, resolution=resolution, samples=denoiser_samples(cfg), precision=precision,
+            gradient_checkpointing=cfg.speed.gradient_checkpointing,
+        ),
+    )  # fmt: skip
+
+
 def estimate_denoiser(
-    preset: str, ds_config: dict[str, Any], cfg: RunConfig, info: Any, *, world_size: int,
-    gpus_per_node: int, precision: str, resolution: int,
+    preset: str, ds_config: dict[str, Any], cfg: RunConfig, figures: DenoiserFigures, *,
+    world_size: int, gpus_per_node: int, precision: str,
 ) -> Estimate:  # fmt: skip
     """Per-device memory of a text-to-image run under one preset: the denoiser's model states
     (as a language model's), Diffusion-DPO's frozen base denoiser (none with LoRA: the adapters
     disabled), the frozen VAE and text encoders (whole on every rank), and the activations of a
     micro-batch measured on the meta device (`denoiser_activations`)."""
-    from align_anything.models.sizes import denoiser_sizes, frozen_part_sizes
-
-    sizes = denoiser_sizes(info, adapters=cfg.model.lora.adapters())
+    sizes = figures.sizes
     stage = dsc.zero_stage_of(ds_config)
     weight_bytes = 4 if precision == "fp32" else 2
     device, host, source = _model_states(
@@ -589,16 +631,12 @@ def estimate_denoiser(
         largest_layer=sizes.largest_layer, world_size=world_size, gpus_per_node=gpus_per_node,
         precision=precision,
     )  # fmt: skip
-    reference = sum(frozen_part_sizes(info).values()) * weight_bytes
+    reference = figures.frozen_parts * weight_bytes
     if _has_reference_model(cfg):
         reference += sizes.total * weight_bytes / (world_size if stage == 3 else 1)
-    activations = denoiser_activations(
-        info, resolution=resolution, samples=denoiser_samples(cfg), precision=precision,
-        gradient_checkpointing=cfg.speed.gradient_checkpointing,
-    )  # fmt: skip
     return Estimate(
         preset=preset, stage=stage, model_states=device, host=host, reference=reference,
-        activations=activations,
+        activations=figures.activations,
         paper=memory.estimate_model_state_memory(sizes.total, stage, world_size, offload=False)
         * GIB,
         source=source,

@@ -312,10 +312,12 @@ def describe_pipeline(run: Run) -> ModelFacts:
     shown += [f"{name} {report.count(count)} frozen" for name, count in outside.items()]
     ds_plan, cfg = run.ds_plan, run.cfg
     world = ds_plan.batch.world_size
+    figures = plan.denoiser_figures(
+        cfg, model.info, precision=ds_plan.precision, resolution=model.resolution
+    )
     estimate = plan.estimate_denoiser(
-        Path(ds_plan.source).stem, ds_plan.config, cfg, model.info, world_size=world,
+        Path(ds_plan.source).stem, ds_plan.config, cfg, figures, world_size=world,
         precision=ds_plan.precision, gpus_per_node=plan.local_devices(world),
-        resolution=model.resolution,
     )  # fmt: skip
     return ModelFacts(
         model_type=f"{model.info.family} pipeline, {model.info.denoiser_class}",
