@@ -237,7 +237,9 @@ def test_text_data_settings_are_refused_for_images() -> None:
 
 def test_min_snr_on_a_flow_family_is_an_error() -> None:
     cfg = load_config(["task=diffusion_sft", "diffusion_sft.min_snr_gamma=5.0"])
-    flow = SimpleNamespace(name="tiny-random-sd3", info=diffusion.inspect_pipeline("tiny-random-sd3"))
+    flow = SimpleNamespace(
+        name="tiny-random-sd3", info=diffusion.inspect_pipeline("tiny-random-sd3")
+    )
     with pytest.raises(ConfigError, match="min-SNR weighting is for epsilon and v-prediction"):
         check(cfg, flow)
     check(cfg, SimpleNamespace(name="sd", info=diffusion.inspect_pipeline("tiny-random-sd")))
