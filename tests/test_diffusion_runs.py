@@ -4,8 +4,9 @@ and a few drawn shapes (tests/test_diffusion_tasks.py holds their losses to diff
 - diffusion fine-tuning under ZeRO-2 with EMA: the start-up summary, the sample grids, `final/`
   and `final-ema/` as diffusers folders that load and sample, the held-out loss going down, and
   the export of a ZeRO-2 checkpoint equal to `final/`;
-- Diffusion-DPO: 2 ranks under ZeRO-3 (a partitioned reference) log the losses of 1 rank under
-  ZeRO-2, and a resume of the 2-rank ZeRO-3 checkpoint on 1 rank under ZeRO-2 continues them;
+- Diffusion-DPO: 2 ranks under ZeRO-2 log the losses of 1 rank under ZeRO-3 (a partitioned
+  reference), and a resume of the 2-rank ZeRO-2 checkpoint on 1 rank under ZeRO-3 continues
+  them;
 - Diffusion-DPO with LoRA under ZeRO-3 on the flow-matching SD3 pipeline: the adapter in
   `final/` is non-empty, trained, and loads with diffusers' `load_lora_weights`; the reference
   (the adapters disabled) never moves while the policy does.
@@ -141,63 +142,58 @@ def test_export_of_a_zero2_checkpoint_is_the_final_pipeline(sft_run: RunResult,
 
 
 @pytest.fixture(scope="module")
-def dpo_two_ranks_z3(data: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    """Diffusion-DPO, 2 ranks x 1 pair under ZeRO-3 (the reference a partitioned inference
-    engine), 4 steps, checkpoints at 2 and 4."""
+def t2i_dpo_two_ranks(data: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """Diffusion-DPO, 2 ranks x 1 pair under ZeRO-2, 4 steps, checkpoints at 2 and 4."""
+    args = [*dpo_args(data), "deepspeed=z2", "train.per_device_batch_size=1"]
     return launch(
-        [
-            *dpo_args(data),
-            "deepspeed=z3",
-            "train.per_device_batch_size=1",
-            "checkpoint.every_steps=2",
-        ],  # fmt: skip
-        tmp_path_factory.mktemp("dpo") / "z3-2ranks",
-        launcher="deepspeed",
-        nproc=2,
-    ).check()
+        [*args, "checkpoint.every_steps=2"], tmp_path_factory.mktemp("dpo") / "z2-2ranks",
+        launcher="deepspeed", nproc=2,
+    ).check()  # fmt: skip
 
 
 def close_steps(got: RunResult, expected: RunResult, steps: list[int]) -> None:
-    """The logged losses and MSEs of `steps` agree (fp32; the ranks' and stages' sums run in
-    another order)."""
+    """The logged losses and MSEs of `steps` agree. fp32 sums run in another order on other
+    ranks and stages, and Adam's first updates (about lr·sign(g)) carry an element's last-digit
+    difference whole: measured, the reference's MSEs agree to 2e-7 and the policy's to 1.4e-5
+    relative by step 3; a wrong row, draw or split moves an MSE by 1e-2 or more."""
     by_step = {m["step"]: m for m in expected.train_steps()}
     lines = {m["step"]: m for m in got.train_steps()}
     assert sorted(lines) == steps
     for step in steps:
         for key in ("loss", "mse/policy_chosen", "mse/policy_rejected", "mse/ref_chosen"):
-            assert lines[step][key] == pytest.approx(by_step[step][key], rel=1e-5, abs=1e-6), (
+            assert lines[step][key] == pytest.approx(by_step[step][key], rel=1e-4, abs=1e-5), (
                 step, key,
             )  # fmt: skip
 
 
-def test_two_ranks_under_zero3_equal_one_rank_under_zero2(
-    dpo_two_ranks_z3: RunResult, data: Path, tmp_path: Path
+def test_two_ranks_under_zero2_equal_one_rank_under_zero3(
+    t2i_dpo_two_ranks: RunResult, data: Path, tmp_path: Path
 ) -> None:
     one = launch(
-        [*dpo_args(data), "deepspeed=z2", "train.per_device_batch_size=2"], tmp_path / "z2-1rank"
+        [*dpo_args(data), "deepspeed=z3", "train.per_device_batch_size=2"], tmp_path / "z3-1rank"
     ).check()
-    assert dpo_two_ranks_z3.zero_stage() == 3 and one.zero_stage() == 2
-    assert "partitioned ZeRO-3 inference engine" in dpo_two_ranks_z3.summary_line("reference")
-    assert dpo_two_ranks_z3.train_steps()[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
-    close_steps(dpo_two_ranks_z3, one, [1, 2, 3, 4])
+    assert t2i_dpo_two_ranks.zero_stage() == 2 and one.zero_stage() == 3
+    assert "partitioned ZeRO-3 inference engine" in one.summary_line("reference")
+    assert t2i_dpo_two_ranks.train_steps()[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    close_steps(one, t2i_dpo_two_ranks, [1, 2, 3, 4])
     for phase in ("before", "after"):
-        assert dpo_two_ranks_z3.eval(phase)["eval/loss"] == pytest.approx(
-            one.eval(phase)["eval/loss"], rel=1e-5
+        assert one.eval(phase)["eval/loss"] == pytest.approx(
+            t2i_dpo_two_ranks.eval(phase)["eval/loss"], rel=1e-4
         )
 
 
-def test_resume_of_the_zero3_checkpoint_on_one_rank_under_zero2(
-    dpo_two_ranks_z3: RunResult, tmp_path: Path, data: Path
+def test_resume_of_the_two_rank_zero2_checkpoint_on_one_rank_under_zero3(
+    t2i_dpo_two_ranks: RunResult, tmp_path: Path, data: Path
 ) -> None:
-    step2 = dpo_two_ranks_z3.output_dir / "checkpoints" / "step-2"
+    step2 = t2i_dpo_two_ranks.output_dir / "checkpoints" / "step-2"
     resumed = launch(
-        [*dpo_args(data), "deepspeed=z2", "train.per_device_batch_size=2", f"resume={step2}"],
+        [*dpo_args(data), "deepspeed=z3", "train.per_device_batch_size=2", f"resume={step2}"],
         tmp_path / "resumed",
     ).check()
-    assert "via a universal checkpoint: ZeRO-3 on 2 rank(s) -> ZeRO-2 on 1 rank(s)" in (
+    assert "via a universal checkpoint: ZeRO-2 on 2 rank(s) -> ZeRO-3 on 1 rank(s)" in (
         resumed.output
     )
-    close_steps(resumed, dpo_two_ranks_z3, [3, 4])
+    close_steps(resumed, t2i_dpo_two_ranks, [3, 4])
 
 
 def test_lora_under_zero3_saves_a_trained_adapter_diffusers_loads(
