@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 import time
@@ -57,10 +58,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--pairs", type=int, default=512, help="rows of the training set used")
     parser.add_argument("--weight-decay", type=float, default=0.0)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="the framework's default")
+    parser.add_argument("--lr-scheduler", choices=("constant", "cosine"), default="constant")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up from 0")
+    parser.add_argument("--save", type=Path, default=None, help="save the trained pipeline here")
     parser.add_argument("--sample-steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--train-check", action="store_true",
+                        help="also sample 2 captions of each training combination (diagnosis)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     return parser.parse_args(argv)
 
@@ -122,7 +129,18 @@ def dpo_loss(theta_w, theta_l, ref_w, ref_l, beta: float) -> tuple[torch.Tensor,
     return -F.logsigmoid(beta * logits).mean(), logits
 
 
-def evaluate(pipeline, eval_rows, eval_latents, eval_embeds, alphas, steps) -> dict:
+def learning_rate(step: int, args: argparse.Namespace) -> float:
+    """Linear warm-up over `--warmup-steps`, then constant or cosine to 0 (the framework's
+    schedules)."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.lr_scheduler == "cosine":
+        progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+        return 0.5 * args.lr * (1 + math.cos(math.pi * progress))
+    return args.lr
+
+
+def evaluate(pipeline, eval_rows, eval_latents, eval_embeds, alphas, steps, train_check) -> dict:
     started = time.time()
     pipeline.unet.eval()
     out = {
@@ -131,6 +149,10 @@ def evaluate(pipeline, eval_rows, eval_latents, eval_embeds, alphas, steps) -> d
             pipeline.unet, eval_latents, eval_embeds, alphas
         ),
     }
+    if train_check:
+        rows = [{"text": shapes.caption(c, s), "seed": 1000 + i}
+                for i, (c, s) in enumerate(shapes.TRAIN_COMBOS * 2)]  # fmt: skip
+        out["train_combos_colour_match"] = colour_check(pipeline, rows, steps)
     out["seconds"] = round(time.time() - started, 1)
     return out
 
@@ -165,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         embeds = encode_texts(pipeline, [r["text"] for r in rows])
     setup_s = time.time() - t0
 
-    before = evaluate(pipeline, eval_rows, eval_latents, eval_embeds, alphas, args.sample_steps)
+    before = evaluate(
+        pipeline, eval_rows, eval_latents, eval_embeds, alphas, args.sample_steps, args.train_check
+    )
     print(json.dumps({"before": before}), flush=True)
 
     reference = copy.deepcopy(pipeline.unet) if args.task == "dpo" else None
@@ -176,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     order: list[int] = []
     num_t = len(alphas)
     history = []
-    train_start = time.time()
+    train_start, train_cpu_start = time.time(), time.process_time()
     for step in range(args.steps):
         if len(order) < args.batch:
             order += torch.randperm(len(rows), generator=gen).tolist()
@@ -202,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             extra = {}
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), float("inf")).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), args.max_grad_norm).item()
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, args)
         optimizer.step()
         history.append({"step": step + 1, "loss": loss.item(), "grad_norm": grad_norm, **extra})
         if (step + 1) % args.log_every == 0:
@@ -210,20 +236,27 @@ def main(argv: list[str] | None = None) -> int:
             mean = {k: sum(h[k] for h in recent) / len(recent) for k in recent[0] if k != "step"}
             print(f"step {step + 1}: " + "  ".join(f"{k} {v:.4f}" for k, v in mean.items()),
                   f"({time.time() - train_start:.0f} s)", flush=True)  # fmt: skip
-    train_s = time.time() - train_start
+    train_s, train_cpu_s = time.time() - train_start, time.process_time() - train_cpu_start
 
-    after = evaluate(pipeline, eval_rows, eval_latents, eval_embeds, alphas, args.sample_steps)
+    after = evaluate(
+        pipeline, eval_rows, eval_latents, eval_embeds, alphas, args.sample_steps, args.train_check
+    )
     result = {
         "task": args.task, "beta": args.beta, "lr": args.lr, "batch": args.batch,
         "steps": args.steps, "rows": len(rows), "weight_decay": args.weight_decay,
+        "max_grad_norm": args.max_grad_norm, "lr_scheduler": args.lr_scheduler,
+        "warmup_steps": args.warmup_steps,
         "sample_steps": args.sample_steps, "threads": torch.get_num_threads(),
         "before": before, "after": after,
         "setup_s": round(setup_s, 1), "train_s": round(train_s, 1),
         "s_per_step": round(train_s / max(1, args.steps), 3),
+        "train_cpu_s": round(train_cpu_s, 1),
         "total_s": round(time.time() - t0, 1),
         "loadavg_start": load_start[0], "loadavg_end": os.getloadavg()[0],
     }  # fmt: skip
     print(json.dumps(result), flush=True)
+    if args.save:
+        pipeline.save_pretrained(args.save, safe_serialization=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -53,15 +54,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1 is fastest for models this small on shared cores)")  # fmt: skip
     parser.add_argument("--pictures", type=int, default=6144, help="pre-training pictures")
-    parser.add_argument("--vae-steps", type=int, default=1500)
+    parser.add_argument("--vae-steps", type=int, default=1200)
     parser.add_argument("--vae-batch", type=int, default=32)
     parser.add_argument("--vae-lr", type=float, default=1e-3)
     parser.add_argument("--kl-weight", type=float, default=1e-4)
     parser.add_argument("--unet-steps", type=int, default=3000)
     parser.add_argument("--unet-batch", type=int, default=64)
     parser.add_argument("--unet-lr", type=float, default=1e-3)
-    parser.add_argument("--colour-truth", type=float, default=0.2,
+    parser.add_argument("--colour-truth", type=float, default=0.35,
                         help="probability that a pre-training caption's colour word is true")  # fmt: skip
+    parser.add_argument("--colour-noise", choices=("uniform", "neighbour"), default="neighbour")
     parser.add_argument("--check-steps", type=int, default=20, help="DDIM steps of the check")
     parser.add_argument("--vae-only", action="store_true",
                         help="stop after stage 1 and save the pipeline (for --vae-from)")  # fmt: skip
@@ -127,15 +129,21 @@ def encode(vae, pixels: torch.Tensor, batch: int = 256) -> torch.Tensor:
                       for i in range(0, len(pixels), batch)])  # fmt: skip
 
 
-def noisy_captions(combos: list[tuple[str, str]], truth: float, gen: torch.Generator) -> list[str]:
-    """Captions whose shape is right and whose colour is right with probability `truth`,
-    otherwise uniform over the palette (which may happen to be right too)."""
+def noisy_captions(
+    combos: list[tuple[str, str]], truth: float, noise: str, gen: torch.Generator
+) -> list[str]:
+    """Captions whose shape is right and whose colour is right with probability `truth`;
+    otherwise (`noise`) "uniform": any palette colour, or "neighbour": the next hue round the
+    wheel (red pictures called yellow, ..., magenta ones red)."""
     keep = torch.rand(len(combos), generator=gen) < truth
     random_colour = torch.randint(0, len(shapes.COLOURS), (len(combos),), generator=gen)
-    return [
-        shapes.caption(colour if k else shapes.COLOURS[r], shape)
-        for (colour, shape), k, r in zip(combos, keep.tolist(), random_colour.tolist(), strict=True)
-    ]
+    texts = []
+    for (colour, shape), k, r in zip(combos, keep.tolist(), random_colour.tolist(), strict=True):
+        if not k:
+            i = shapes.COLOURS.index(colour)
+            colour = shapes.COLOURS[r if noise == "uniform" else (i + 1) % len(shapes.COLOURS)]
+        texts.append(shapes.caption(colour, shape))
+    return texts
 
 
 def train_denoiser(parts: dict, latents: torch.Tensor, combos, args: argparse.Namespace) -> None:
@@ -155,7 +163,9 @@ def train_denoiser(parts: dict, latents: torch.Tensor, combos, args: argparse.Na
             group["lr"] = cosine_lr(step, args.unet_steps, args.unet_lr)
         index = torch.randint(0, len(latents), (args.unet_batch,), generator=gen)
         x0 = latents[index]
-        texts = noisy_captions([combos[i] for i in index.tolist()], args.colour_truth, gen)
+        texts = noisy_captions(
+            [combos[i] for i in index.tolist()], args.colour_truth, args.colour_noise, gen
+        )
         ids = tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length,
                         truncation=True, return_tensors="pt").input_ids  # fmt: skip
         noise = torch.randn(x0.shape, generator=gen)
@@ -190,7 +200,7 @@ def grid(images: list, columns: int = 8):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    started = time.time()
+    started, cpu_started = time.time(), time.process_time()
     parts = t2i_shapes.build_components(seed=args.seed)
     if args.vae_from is not None:
         from diffusers import AutoencoderKL
@@ -242,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         parts[module].requires_grad_(False)
     args.out.mkdir(parents=True, exist_ok=True)
     t2i_shapes.save_pipeline(parts, args.out)
-    train_time = time.time() - started
+    train_time, cpu_time = time.time() - started, time.process_time() - cpu_started
 
     from diffusers import DiffusionPipeline
 
@@ -254,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = shapes.colour_match_rate(images, captions)
     grid(images).save(args.out.parent / f"{args.out.name}-samples.png")
     report = {"colour_match_rate": rate, "train_seconds": round(train_time),
+              "train_cpu_seconds": round(cpu_time), "loadavg": os.getloadavg(),
               "scaling_factor": scaling, "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     log(json.dumps(report))
     return 0

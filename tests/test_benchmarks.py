@@ -14,6 +14,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import common  # noqa: E402
 import data_scale  # noqa: E402  (imports without TRL: TRL is imported in its child)
+import diffusion_dpo_plain  # noqa: E402
 import dpo_vs_trl  # noqa: E402
 import gpu_bench  # noqa: E402
 import grpo_vs_trl  # noqa: E402
@@ -23,6 +24,19 @@ import sft_vs_trl  # noqa: E402
 import trl_child  # noqa: E402, F401  (imports without TRL: TRL is imported inside main)
 
 from align_anything.training.batching import step_indices  # noqa: E402
+
+
+def test_plain_diffusion_dpo_loss_by_hand() -> None:
+    """logits = (ref_w - ref_l) - (θ_w - θ_l); loss = -log σ(β·logits), the batch mean."""
+    import torch
+
+    t = torch.tensor
+    loss, logits = diffusion_dpo_plain.dpo_loss(
+        t([0.1, 0.5]), t([0.3, 0.5]), t([0.2, 0.4]), t([0.2, 0.4]), beta=10.0
+    )
+    # pair 1: (0.2 - 0.2) - (0.1 - 0.3) = 0.2, -log σ(2) = 0.126928; pair 2: 0, ln 2 = 0.693147
+    assert logits.tolist() == pytest.approx([0.2, 0.0])
+    assert loss.item() == pytest.approx((0.126928 + 0.693147) / 2, abs=1e-6)
 
 
 def test_training_order_is_the_trainers_step_batches() -> None:

@@ -91,6 +91,18 @@ def test_the_check_is_one_on_every_true_picture_and_zero_on_every_rejected_one(g
         assert shapes.colour_match_rate(bad, captions) == 0.0, name
 
 
+def test_half_the_rejected_colours_are_the_base_models_confusion(generated) -> None:
+    assert shapes.CONFUSED_WITH["red"] == "magenta" and shapes.CONFUSED_WITH["cyan"] == "green"
+    for name in ("t2i-shapes-pref", "t2i-shapes-pref-eval"):
+        rows = generated[name]
+        confused = sum(
+            shapes.dominant_colour(_pair_sides(r)[1])
+            == shapes.CONFUSED_WITH[shapes.caption_colour(r["caption"])]
+            for r in rows
+        )
+        assert confused == len(rows) / 2, name
+
+
 def test_a_pair_differs_only_in_colour(generated) -> None:
     """Same shape, size and place: the only thing a preference can teach is the colour."""
     for row in generated["t2i-shapes-pref"][:64]:
@@ -180,3 +192,51 @@ def test_shipped_tokenizer_files_are_the_builders() -> None:
     assert json.loads((folder / "vocab.json").read_text()) == vocab
     lines = (folder / "merges.txt").read_text().splitlines()
     assert lines[0] == "#version: 0.2" and [tuple(m.split()) for m in lines[1:]] == merges
+
+
+def test_builtin_model_name_resolves_to_the_shipped_pipeline() -> None:
+    from align_anything.models.zoo import resolve_model_path
+
+    folder = t2i_shapes.SHIPPED_DIR
+    assert resolve_model_path(t2i_shapes.NAME) == str(folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["_class_name"] == "StableDiffusionPipeline"
+    assert index["safety_checker"] == [None, None] and index["requires_safety_checker"] is False
+    suffixes = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+    weights = [p for p in folder.rglob("*") if p.is_file() and p.suffix in suffixes]
+    assert sorted(p.parent.name for p in weights) == ["text_encoder", "unet", "vae"]
+    assert all(p.suffix == ".safetensors" for p in weights)
+    assert sum(p.stat().st_size for p in weights) < 20 * 2**20
+
+
+def test_random_components_make_a_pipeline_of_the_shipped_architecture() -> None:
+    """`build_components` (tests' random-weight twin) has the shipped model's configs."""
+    parts = t2i_shapes.build_components(seed=0)
+    for name in ("unet", "vae", "text_encoder"):
+        shipped = json.loads((t2i_shapes.SHIPPED_DIR / name / "config.json").read_text())
+        built = parts[name].config
+        built = built.to_dict() if hasattr(built, "to_dict") else dict(built)
+        skip = {"_name_or_path", "_diffusers_version", "transformers_version", "scaling_factor",
+                "architectures", "dtype", "torch_dtype", "_class_name"}  # fmt: skip
+        differing = {k for k in shipped if k not in skip and shipped[k] != built.get(k, shipped[k])}
+        assert not differing, (name, {k: (shipped[k], built.get(k)) for k in differing})
+
+
+@pytest.mark.slow
+def test_shipped_model_draws_shapes_but_not_their_colour() -> None:
+    """The base model of the text-to-image main job: on the 32 held-out captions (their seeds,
+    DDIM 20 steps, fp32 CPU) nearly every image shows a coloured shape, and the caption's colour
+    at most half the time, so the alignment run has something to fix."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    torch.manual_seed(0)
+    pipeline = DiffusionPipeline.from_pretrained(t2i_shapes.SHIPPED_DIR)
+    pipeline.set_progress_bar_config(disable=True)
+    rows = shapes.read_parquet(builtin_path("t2i-shapes-eval"))
+    captions = [r["text"] for r in rows]
+    images = t2i_shapes.sample_images(pipeline, captions, [r["seed"] for r in rows], steps=20)
+    assert all(image.size == (shapes.IMAGE_SIZE, shapes.IMAGE_SIZE) for image in images)
+    coloured = [shapes.dominant_colour(image) is not None for image in images]
+    assert sum(coloured) >= 30
+    assert shapes.colour_match_rate(images, captions) <= 0.5

@@ -58,6 +58,12 @@ SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "cross")
 HELD_OUT: tuple[tuple[str, str], ...] = tuple(
     (colour, SHAPES[i % len(SHAPES)]) for i, colour in enumerate(COLOURS)
 )
+# The colour the built-in base model `tiny-t2i-shapes` draws instead of each colour when it
+# errs: the previous hue round the wheel (its pre-training called pictures by the next hue, see
+# scripts/build_builtin_t2i.py). Half the rejected images of the preference sets have it, as
+# pairs sampled from the model itself would (the arith sets' rejected answers likewise are the
+# base model's own style).
+CONFUSED_WITH: dict[str, str] = {c: COLOURS[(i - 1) % len(COLOURS)] for i, c in enumerate(COLOURS)}
 TRAIN_COMBOS: tuple[tuple[str, str], ...] = tuple(
     (c, s) for c in COLOURS for s in SHAPES if (c, s) not in HELD_OUT
 )
@@ -233,11 +239,15 @@ def _picture_rows(rng: random.Random, combos: Sequence[tuple[str, str]], count: 
 
 def _pair_rows(rng: random.Random, combos: Sequence[tuple[str, str]], count: int) -> list[dict]:
     """`count` preference pairs (Pick-a-Pic columns): the same layout in the caption's colour
-    (preferred) and in another colour (rejected), each side first half the time."""
+    (preferred) and in another colour (rejected), each side first half the time. Half the
+    rejected colours are `CONFUSED_WITH` the caption's, the rest any other colour."""
     rows = []
     for index in range(count):
         colour, shape = combos[index % len(combos)]
-        wrong = rng.choice([c for c in COLOURS if c != colour])
+        if (index // 2) % 2 == 0:
+            wrong = CONFUSED_WITH[colour]
+        else:
+            wrong = rng.choice([c for c in COLOURS if c not in (colour, CONFUSED_WITH[colour])])
         layout = random_layout(rng)
         good = png_bytes(draw_shape(shape, colour, **layout))
         bad = png_bytes(draw_shape(shape, wrong, **layout))
