@@ -65,16 +65,35 @@ class Record:
         )  # fmt: skip
 
 
-def run_ours(args: argparse.Namespace, workdir: Path, cache: Path) -> Record:
-    out = Path(tempfile.mkdtemp(prefix="ours-", dir=workdir))
-    overrides = [
+def ours_overrides(args: argparse.Namespace, out: Path, cache: Path) -> list[str]:
+    """align_anything's side of the comparison: the plain loop's work (`plain_command`) as
+    overrides of `task=diffusion_dpo`."""
+    return [
         "task=diffusion_dpo", "deepspeed=z0", f"model.name_or_path={args.model}",
         f"data.path={DATA}", "train.precision=fp32", f"train.max_steps={args.steps}",
         f"train.per_device_batch_size={args.batch}", f"train.learning_rate={args.lr}",
-        "train.lr_scheduler=constant", "train.warmup_ratio=0.0", f"diffusion_dpo.beta={args.beta}",
-        "diffusion_dpo.check_samples=0", "logging.sample_prompts=[]", "data.max_eval_samples=16",
-        f"data.cache_dir={cache}", "logging.backends=[jsonl]", f"output_dir={out}",
+        "train.lr_scheduler=constant", "train.warmup_ratio=0.0", "train.max_grad_norm=1.0",
+        "train.weight_decay=0.0", f"diffusion_dpo.beta={args.beta}",
+        "diffusion_dpo.loss_type=sigmoid", "diffusion_dpo.check_samples=0",
+        "logging.sample_prompts=[]", "data.max_eval_samples=16", f"data.cache_dir={cache}",
+        "logging.backends=[jsonl]", f"output_dir={out}",
     ]  # fmt: skip
+
+
+def plain_command(args: argparse.Namespace, model_path: str, out: Path) -> list[str]:
+    """The plain loop (`diffusion_dpo_plain.py`) on the same work: constant rate, clipping at
+    1.0 and no weight decay are its defaults."""
+    return [
+        sys.executable, str(PLAIN), "--task", "dpo", "--model", model_path,
+        "--steps", str(args.steps), "--batch", str(args.batch), "--beta", str(args.beta),
+        "--lr", str(args.lr), "--sample-steps", "1", "--log-every", "1000",
+        "--out", str(out / "result.json"),
+    ]  # fmt: skip
+
+
+def run_ours(args: argparse.Namespace, workdir: Path, cache: Path) -> Record:
+    out = Path(tempfile.mkdtemp(prefix="ours-", dir=workdir))
+    overrides = ours_overrides(args, out, cache)
     command = [sys.executable, "-m", "align_anything.train", *overrides]
     rss = run_child(command, env=child_env(args.threads), log=out / "run.log")
     summary = json.loads((out / "summary.json").read_text())
@@ -88,12 +107,7 @@ def run_ours(args: argparse.Namespace, workdir: Path, cache: Path) -> Record:
 
 def run_plain(args: argparse.Namespace, workdir: Path, model_path: str) -> Record:
     out = Path(tempfile.mkdtemp(prefix="plain-", dir=workdir))
-    command = [
-        sys.executable, str(PLAIN), "--task", "dpo", "--model", model_path,
-        "--steps", str(args.steps), "--batch", str(args.batch), "--beta", str(args.beta),
-        "--lr", str(args.lr), "--sample-steps", "1", "--log-every", "1000",
-        "--out", str(out / "result.json"),
-    ]  # fmt: skip
+    command = plain_command(args, model_path, out)
     rss = run_child(command, env=child_env(args.threads), log=out / "run.log")
     result = json.loads((out / "result.json").read_text())
     return Record(float(result["train_s"]), rss, float("nan"))

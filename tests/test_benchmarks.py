@@ -14,6 +14,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import common  # noqa: E402
 import data_scale  # noqa: E402  (imports without TRL: TRL is imported in its child)
+import diffusion_dpo  # noqa: E402
 import diffusion_dpo_plain  # noqa: E402
 import dpo_vs_trl  # noqa: E402
 import gpu_bench  # noqa: E402
@@ -196,3 +197,21 @@ def test_grpo_fixed_completions_scored_as_by_hand() -> None:
         tokens += len(completion)
         weighted += fixed["advantages"][b] * len(completion)
     assert ours["loss"] == pytest.approx(-weighted / tokens, abs=1e-6)
+
+
+def test_diffusion_dpo_benchmark_gives_both_sides_the_same_work(tmp_path: Path) -> None:
+    """align_anything's overrides validate, and carry the steps, batch, beta and rate the plain
+    loop is given; the loop's own defaults are the framework's clipping and no weight decay."""
+    from align_anything.config import load_config
+
+    args = diffusion_dpo.parse_args(["--steps", "7", "--batch", "3", "--beta", "500"])
+    overrides = diffusion_dpo.ours_overrides(args, tmp_path / "out", tmp_path / "cache")
+    cfg = load_config([o for o in overrides if not o.startswith("output_dir=")])
+    plain = diffusion_dpo_plain.parse_args(diffusion_dpo.plain_command(args, "model", tmp_path)[2:])
+    assert (cfg.train.max_steps, cfg.train.per_device_batch_size) == (plain.steps, plain.batch)
+    assert (cfg.diffusion_dpo.beta, cfg.train.learning_rate) == (plain.beta, plain.lr)
+    assert (cfg.train.max_grad_norm, cfg.train.weight_decay) == (
+        plain.max_grad_norm, plain.weight_decay,
+    )  # fmt: skip
+    assert cfg.train.lr_scheduler == plain.lr_scheduler == "constant"
+    assert plain.warmup_steps == 0 and cfg.train.warmup_ratio == 0.0
