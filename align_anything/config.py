@@ -49,8 +49,8 @@ class LoraSection(_Section):
     r: int = Field(ge=1, description="Adapter rank.")
     alpha: float = Field(gt=0, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(ge=0.0, lt=1.0, description="Dropout on the adapter input.")
-    target_modules: list[str] | Literal["all-linear"] = Field(
-        description="Module names to adapt, e.g. `[q_proj,v_proj]` (one name needs no brackets); `all-linear`: every linear layer of the language model except the output head.",
+    target_modules: list[str] | Literal["all-linear", "default"] = Field(
+        description="Module names to adapt, e.g. `[q_proj,v_proj]` (one name needs no brackets); `all-linear`: every linear layer of the language model except the output head; `default`: the model's usual targets (a language model's all-linear, a text-to-image denoiser's attention projections).",
     )
     save_merged: bool = Field(
         description="Also write output_dir/final-merged: the adapter merged into the model."
@@ -69,10 +69,12 @@ class LoraSection(_Section):
     def _names(cls, value: Any) -> Any:
         # `target_modules=q_proj` means the one module a user would expect, not an error.
         if isinstance(value, str):
-            return value if value == "all-linear" else [value]
+            return value if value in ("all-linear", "default") else [value]
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return list(value)
-        raise ValueError("expected module names as a list, e.g. [q_proj,v_proj], or 'all-linear'")
+        raise ValueError(
+            "expected module names as a list, e.g. [q_proj,v_proj], or 'all-linear' or 'default'"
+        )
 
 
 ModelPart = Literal["vision_tower", "audio_tower", "projector", "language_model"]
@@ -168,6 +170,10 @@ class DataConfig(_Section):
     num_proc: int | None = Field(
         ge=1,
         description="Worker processes that tokenise (batched `datasets.map`; files under 2,000 rows per process stay in one). null: the CPUs this process may use, at most 8.",
+    )
+    resolution: int | None = Field(
+        ge=8,
+        description="Text-to-image tasks: images are resized (shorter side) and centre-cropped to this many pixels square before they are encoded into latents; null: the pipeline's own (its denoiser's sample size x the VAE's scale).",
     )
     cache_dir: str | None = Field(
         description="Where tokenised data is cached (null: `data/` under `ALIGN_ANYTHING_CACHE`, else ~/.cache/align_anything). A start with the same data, tokenizer, chat template, max_length, truncation and task encoding reads it instead of tokenising.",
@@ -290,6 +296,17 @@ class LoggingConfig(_Section):
     completions_shown: int = Field(
         ge=1,
         description="Rows of that table (the step's first completions). TRL's num_completions_to_print.",
+    )
+    samples_every: int = Field(
+        ge=0,
+        description="Text-to-image tasks: images for the sample prompts and seeds before training, after it and every N steps, as a PNG grid under output_dir/samples/ (and to TensorBoard / wandb when on); 0: before and after only.",
+    )
+    sample_prompts: list[str] | None = Field(
+        description="Text-to-image tasks: the prompts of the sample grid (one row each); null: the first 4 held-out captions.",
+    )
+    sample_seeds: list[int] = Field(
+        min_length=1,
+        description="Text-to-image tasks: the seeds of the sample grid (one column each): the same prompt and seed give the same starting noise in every grid.",
     )
 
 
@@ -658,6 +675,54 @@ class RLOOSection(_OnlineRL):
     )
 
 
+TIMESTEP_SAMPLING = ("uniform", "logit_normal", "mode")  # forward_diffusion.TIMESTEP_SCHEMES
+DIFFUSION_DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # losses.DIFFUSION_DPO_LOSS_TYPES
+
+
+class _Diffusion(_Section):
+    """What the text-to-image tasks share: the noise levels drawn in training (flow-matching
+    families), and the images drawn for people to look at and for the held-out check."""
+
+    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
+        description="Flow-matching families (SD3, Flux): the density of training noise levels, as diffusers' weighting_scheme: uniform, logit_normal (the SD3 paper's) or mode. SD 1.x/2.x and SDXL draw timesteps uniformly.",
+    )
+    logit_mean: float = Field(description="logit_normal: the mean of the normal.")
+    logit_std: float = Field(gt=0.0, description="logit_normal: the standard deviation.")
+    mode_scale: float = Field(description="mode: the scale of the mode density.")
+    flux_guidance: float = Field(
+        gt=0.0,
+        description="Flux with a guidance embedding (guidance-distilled): the guidance value the transformer is given in training (diffusers' DreamBooth script: 3.5).",
+    )
+    sample_steps: int = Field(
+        ge=1, description="Denoising steps of the folder's own sampler for sample and check images."
+    )
+    guidance_scale: float = Field(
+        ge=0.0,
+        description="Classifier-free guidance of sample and check images (1: none).",
+    )
+    check_samples: int = Field(
+        ge=0,
+        description="Images for this many held-out captions (each with its seed) before and after training, checked by the dataset's pixel rule where it has one (built-in shapes data: the dominant colour names the caption's): eval/image_check. 0: none.",
+    )
+
+
+class DiffusionSFTSection(_Diffusion):
+    min_snr_gamma: float | None = Field(
+        gt=0.0,
+        description="Min-SNR-gamma weighting of the denoising loss (Hang et al. 2023; 5.0 is the paper's), epsilon and v-prediction only; null: the plain MSE.",
+    )
+
+
+class DiffusionDPOSection(_Diffusion):
+    beta: float = Field(
+        gt=0.0,
+        description="Diffusion-DPO's beta on the MSE differences: logits = (ref_w - ref_l) - (theta_w - theta_l), loss -log sigmoid(beta * logits). diffusers' research script's beta_dpo is 2x this (its SD 1.5 2000 is 1000 here); users report loss spikes at its 2,000-5,000.",
+    )
+    loss_type: Literal["sigmoid", "hinge", "ipo"] = Field(
+        description="sigmoid (Wallace et al. 2023), hinge (relu(1 - beta * logits)) or ipo ((logits - 1/(2 beta))^2).",
+    )
+
+
 # `ppo.advantage_estimator` values (config sits below losses in the layers, so it keeps its own
 # copy of `losses.ADVANTAGE_ESTIMATORS`; tests/test_ppo_config.py keeps the two equal).
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = (
@@ -823,7 +888,7 @@ class RunConfig(_Section):
     """The validated configuration of one run. Built only by `load_config`."""
 
     task: str = Field(
-        description="The task: sft, dpo, rm, kto, grpo, rloo or ppo (a file in configs/task/)."
+        description="The task: sft, dpo, rm, kto, grpo, rloo, ppo, or for text-to-image pipelines diffusion_sft, diffusion_dpo (a file in configs/task/)."
     )
     deepspeed: dict[str, Any] = Field(
         description="A shipped preset name (`python -m align_anything presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."
@@ -854,6 +919,8 @@ class RunConfig(_Section):
     grpo: GRPOSection | None = None
     rloo: RLOOSection | None = None
     ppo: PPOSection | None = None
+    diffusion_sft: DiffusionSFTSection | None = None
+    diffusion_dpo: DiffusionDPOSection | None = None
     # Online RL only (set in task/grpo.yaml, task/rloo.yaml and task/ppo.yaml).
     reward: RewardSection | None = None
 
@@ -903,6 +970,29 @@ class RunConfig(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _image_data(self) -> RunConfig:
+        # The text-to-image readers take one source each (no mixtures) and find its shape
+        # themselves: captioned images for diffusion_sft, Pick-a-Pic pairs for the others.
+        if self.task not in DIFFUSION_TASKS:
+            return self
+        data = self.data
+        problems = [
+            f"data.{key} is a list of sources; {self.task} reads one source (a folder, file or "
+            "built-in name)"
+            for key in ("path", "eval_path")
+            if isinstance(getattr(data, key), list)
+        ]
+        if data.format != "auto":
+            problems.append(
+                f"data.format={data.format!r} names a text format; {self.task} reads "
+                + ("captioned images" if self.task == "diffusion_sft" else "Pick-a-Pic pairs")
+                + " (data.columns maps their names): leave data.format=auto"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
     def section(self) -> BaseModel | dict[str, Any] | None:
         """The task's own section (e.g. `cfg.dpo` for task=dpo)."""
         return getattr(self, self.task)
@@ -917,9 +1007,12 @@ class RunConfig(_Section):
 TASK_SECTIONS: dict[str, type[BaseModel]] = {
     "sft": SFTSection, "dpo": DPOSection, "rm": RMSection, "kto": KTOSection,
     "grpo": GRPOSection, "rloo": RLOOSection, "ppo": PPOSection,
+    "diffusion_sft": DiffusionSFTSection, "diffusion_dpo": DiffusionDPOSection,
 }  # fmt: skip
 # Tasks that generate online and so take the `reward` section.
 ONLINE_TASKS = ("grpo", "rloo", "ppo")
+# Tasks that train a text-to-image pipeline's denoiser (their data are images and captions).
+DIFFUSION_TASKS = ("diffusion_sft", "diffusion_dpo")
 
 
 def names_a_missing_folder(name_or_path: str) -> bool:

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-USAGE = """usage: python -m align_anything.train [task=sft|dpo|rm|kto|grpo|rloo] [deepspeed=z0|z2|z3|z3_offload|PATH.json] [key=value ...]
+USAGE = """usage: python -m align_anything.train [task=sft|dpo|rm|kto|grpo|rloo|diffusion_sft|diffusion_dpo] [deepspeed=z0|z2|z3|z3_offload|PATH.json] [key=value ...]
 
 Examples:
   python -m align_anything.train task=dpo deepspeed=z3

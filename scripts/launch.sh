@@ -18,7 +18,7 @@ set -euo pipefail
 # shellcheck source=env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 
-TASK=${TASK:?set TASK=sft|dpo|rm|kto|grpo|rloo|ppo, or call scripts/sft.sh, dpo.sh, rm.sh, kto.sh, grpo.sh, rloo.sh or ppo.sh}
+TASK=${TASK:?set TASK=sft|dpo|rm|kto|grpo|rloo|ppo|diffusion_sft|diffusion_dpo, or call scripts/sft.sh, dpo.sh, rm.sh, kto.sh, grpo.sh, rloo.sh, ppo.sh, diffusion_sft.sh or diffusion_dpo.sh}
 LAUNCHER=${LAUNCHER:-deepspeed}
 PRESET=${PRESET:-z3}
 MASTER_PORT=${MASTER_PORT:-29500}

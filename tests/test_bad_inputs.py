@@ -55,7 +55,29 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _write_margin_files(root)
     _write_part_lists(root)
     _write_remote_code_models(root)
+    _write_image_sets(root)
     return root
+
+
+def _write_image_sets(root: Path) -> None:
+    """Text-to-image data with bad rows: an image folder whose metadata names a missing image
+    and gives another an empty caption; Pick-a-Pic pairs with a label outside {0, 0.5, 1}."""
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(buffer, format="PNG")
+    folder = root / "t2i_folder"
+    folder.mkdir()
+    (folder / "a.png").write_bytes(buffer.getvalue())
+    (folder / "b.png").write_bytes(buffer.getvalue())
+    rows = [{"file_name": "a.png", "text": "a red square"}, {"file_name": "gone.png", "text": "x"},
+            {"file_name": "b.png", "text": ""}]  # fmt: skip
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pairs = [{"caption": "a red square", "jpg_0": "t2i_folder/a.png", "jpg_1": "t2i_folder/b.png",
+              "label_0": label} for label in (1, 2)]  # fmt: skip
+    (root / "t2i_pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in pairs))
 
 
 def _write_unreadable_data_files(root: Path) -> None:
@@ -225,7 +247,32 @@ CASES = [
       "runs that code", "model.trust_remote_code=true"]),
     ("diffusion-pipeline-to-a-language-task", ["task=sft", "model.name_or_path=tiny-random-sd"],
      ["tiny-random-sd-v1' is a diffusers text-to-image pipeline (model_index.json), not a "
-      "language model", "train it with a diffusion task"]),
+      "language model", "train it with a diffusion task (task=diffusion_sft or "
+      "task=diffusion_dpo)"]),
+    ("causal-lm-to-a-diffusion-task", ["task=diffusion_dpo", TINY],
+     ["is a transformers language model: a diffusion task needs a diffusers pipeline folder"]),
+    ("image-folder-bad-rows",
+     ["task=diffusion_sft", "model.name_or_path=tiny-random-sd", "data.path={bad}/t2i_folder"],
+     ["data.path='{bad}/t2i_folder'", "2 row(s) of data file {bad}/t2i_folder/metadata.jsonl",
+      "line 2: image {bad}/t2i_folder/gone.png", "does not exist",
+      "line 3: missing or empty caption in column 'text'"]),
+    ("pair-label-outside-0-half-1",
+     ["task=diffusion_dpo", "model.name_or_path=tiny-random-sd",
+      "data.path={bad}/t2i_pairs.jsonl"],
+     ["data.path='{bad}/t2i_pairs.jsonl'", "line 2", "label_0"]),
+    ("lora-target-not-in-the-denoiser",
+     ["task=diffusion_dpo", "model.name_or_path=tiny-random-sd", "model.lora.enabled=true",
+      "model.lora.target_modules=to_qq"],
+     ["'to_qq' names no module of UNet2DConditionModel (did you mean 'to_q'?)"]),
+    ("resolution-the-denoiser-cannot-take",
+     ["task=diffusion_sft", "model.name_or_path=tiny-random-sd", "data.resolution=30"],
+     ["data.resolution=30", "must be a multiple of 4 pixels", "data.resolution=28 or 32"]),
+    ("min-snr-on-a-flow-pipeline",
+     ["task=diffusion_sft", "model.name_or_path=tiny-random-sd3", "diffusion_sft.min_snr_gamma=5"],
+     ["diffusion_sft.min_snr_gamma=5.0: min-SNR weighting is for epsilon and v-prediction"]),
+    ("freeze-parts-of-a-pipeline",
+     ["task=diffusion_sft", "model.name_or_path=tiny-random-sd", "model.freeze=[vision_tower]"],
+     ["model.freeze=['vision_tower'] names parts of multimodal language models"]),
     ("model-type-unknown", ["task=sft", "model.name_or_path={bad}/unknown_type"],
      ["'{bad}/unknown_type' is a local folder", "model_type 'foo_bar'", "does not know"]),
     ("resume-from-nowhere", ["task=sft", TINY, "resume={bad}/nowhere"],

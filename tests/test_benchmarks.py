@@ -14,6 +14,8 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import common  # noqa: E402
 import data_scale  # noqa: E402  (imports without TRL: TRL is imported in its child)
+import diffusion_dpo  # noqa: E402
+import diffusion_dpo_plain  # noqa: E402
 import dpo_vs_trl  # noqa: E402
 import gpu_bench  # noqa: E402
 import grpo_vs_trl  # noqa: E402
@@ -24,6 +26,19 @@ import sft_vs_trl  # noqa: E402
 import trl_child  # noqa: E402, F401  (imports without TRL: TRL is imported inside main)
 
 from align_anything.training.batching import step_indices  # noqa: E402
+
+
+def test_plain_diffusion_dpo_loss_by_hand() -> None:
+    """logits = (ref_w - ref_l) - (θ_w - θ_l); loss = -log σ(β·logits), the batch mean."""
+    import torch
+
+    t = torch.tensor
+    loss, logits = diffusion_dpo_plain.dpo_loss(
+        t([0.1, 0.5]), t([0.3, 0.5]), t([0.2, 0.4]), t([0.2, 0.4]), beta=10.0
+    )
+    # pair 1: (0.2 - 0.2) - (0.1 - 0.3) = 0.2, -log σ(2) = 0.126928; pair 2: 0, ln 2 = 0.693147
+    assert logits.tolist() == pytest.approx([0.2, 0.0])
+    assert loss.item() == pytest.approx((0.126928 + 0.693147) / 2, abs=1e-6)
 
 
 def test_training_order_is_the_trainers_step_batches() -> None:
@@ -211,3 +226,21 @@ def test_the_ppo_benchmarks_side_is_a_valid_run_with_the_shared_settings(tmp_pat
         "reward_model",
     )
     assert cfg.reward.model == str(reward_model) and cfg.train.per_device_batch_size == 4
+
+
+def test_diffusion_dpo_benchmark_gives_both_sides_the_same_work(tmp_path: Path) -> None:
+    """align_anything's overrides validate, and carry the steps, batch, beta and rate the plain
+    loop is given; the loop's own defaults are the framework's clipping and no weight decay."""
+    from align_anything.config import load_config
+
+    args = diffusion_dpo.parse_args(["--steps", "7", "--batch", "3", "--beta", "500"])
+    overrides = diffusion_dpo.ours_overrides(args, tmp_path / "out", tmp_path / "cache")
+    cfg = load_config([o for o in overrides if not o.startswith("output_dir=")])
+    plain = diffusion_dpo_plain.parse_args(diffusion_dpo.plain_command(args, "model", tmp_path)[2:])
+    assert (cfg.train.max_steps, cfg.train.per_device_batch_size) == (plain.steps, plain.batch)
+    assert (cfg.diffusion_dpo.beta, cfg.train.learning_rate) == (plain.beta, plain.lr)
+    assert (cfg.train.max_grad_norm, cfg.train.weight_decay) == (
+        plain.max_grad_norm, plain.weight_decay,
+    )  # fmt: skip
+    assert cfg.train.lr_scheduler == plain.lr_scheduler == "constant"
+    assert plain.warmup_steps == 0 and cfg.train.warmup_ratio == 0.0

@@ -49,7 +49,9 @@ def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def test_task_files_found() -> None:
-    assert {path.stem for path in TASK_FILES} == {"sft", "dpo", "rm", "kto", "grpo", "rloo", "ppo"}
+    assert {path.stem for path in TASK_FILES} == {
+        "sft", "dpo", "rm", "kto", "grpo", "rloo", "ppo", "diffusion_sft", "diffusion_dpo"
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("task_file", TASK_FILES, ids=lambda p: p.stem)
@@ -110,7 +112,7 @@ def test_several_mistakes_in_one_error() -> None:
 def test_unknown_task_reported_with_other_mistakes() -> None:
     message = config_error(["task=spf", "train.learnig_rate=1e-4", "data.max_length=abc"])
     assert "task='spf': unknown task (did you mean 'sft'?)" in message
-    assert "dpo, grpo, kto, ppo, rloo, rm, sft" in message
+    assert "diffusion_dpo, diffusion_sft, dpo, grpo, kto, ppo, rloo, rm, sft" in message
     assert "train.learnig_rate: unknown key (did you mean 'train.learning_rate'?)" in message
     assert "data.max_length:" in message
 
@@ -118,7 +120,10 @@ def test_unknown_task_reported_with_other_mistakes() -> None:
 def test_unknown_task_lists_valid_ones() -> None:
     message = config_error(["task=dpq"])  # (dpp is as close to ppo as to dpo)
     assert "task='dpq': unknown task (did you mean 'dpo'?)" in message
-    assert "Available tasks: dpo, grpo, kto, ppo, rloo, rm, sft." in message
+    assert (
+        "Available tasks: diffusion_dpo, diffusion_sft, dpo, grpo, kto, ppo, rloo, rm, sft."
+        in message
+    )
 
 
 def test_unknown_preset_lists_valid_ones() -> None:

@@ -209,8 +209,7 @@ def test_a_csv_value_of_another_type_past_the_first_chunk_is_one_row(tmp_path: P
     int64"). Read as text it is that row's drop, and the margins (text) still count as numbers."""
     import csv
 
-    from align_anything.data.formats import load_records
-    from align_anything.data.formats import check_margins
+    from align_anything.data.formats import check_margins, load_records
 
     path = tmp_path / "rows.csv"
     with path.open("w", newline="") as handle:

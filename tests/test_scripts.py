@@ -45,6 +45,13 @@ def script_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Text-to-image: the tiny random SD pipeline on the built-in shapes, one sample image, no check.
+FAST_T2I = [
+    "model.name_or_path=tiny-random-sd", "train.precision=fp32", f"train.max_steps={STEPS}",
+    "data.max_eval_samples=2", "checkpoint.save_final=false", "train.per_device_batch_size=1",
+    "logging.sample_prompts=[a_red_circle]", "logging.sample_seeds=[0]",
+]  # fmt: skip
+T2I_FAST = "{task}.check_samples=0 {task}.sample_steps=1 data.path={data}"
 # Online RL: groups of 2 completions (the micro-batch of 2 holds one prompt), short answers.
 RL_FAST = (
     "{task}.num_generations=2 {task}.max_completion_length=4 {task}.eval_samples=2 "
@@ -61,7 +68,11 @@ CASES = {
     "rloo.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", *RL_FAST.format(task="rloo").split()], 2),
     "ppo.sh": ({"PRESET": "z0"}, ["--num_gpus", "2", *RL_FAST.format(task="ppo").split()], 0),
     "torchrun.sh": ({"TASK": "sft", "NUM_GPUS": "2", "PRESET": "z0"}, [], 0),
-}
+    "diffusion_sft.sh": ({"NUM_GPUS": "2"}, T2I_FAST.format(task="diffusion_sft",
+                                                           data="t2i-shapes-eval").split(), 3),
+    "diffusion_dpo.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", *T2I_FAST.format(
+        task="diffusion_dpo", data="t2i-shapes-pref-eval").split()], 2),
+}  # fmt: skip
 
 
 @pytest.mark.slow
@@ -70,7 +81,7 @@ def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
     env, args, stage = CASES[script]
     output_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        ["bash", str(SCRIPTS / script), *args, *FAST],
+        ["bash", str(SCRIPTS / script), *args, *(FAST_T2I if "diffusion" in script else FAST)],
         cwd=REPO_ROOT,
         env=script_env(OUTPUT_DIR=str(output_dir), MASTER_PORT=str(free_port()), **env),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
@@ -83,7 +94,11 @@ def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
     # Only rank 0 logs: one start-up summary, one progress line per step.
     assert (
         len(
-            re.findall(r"^align_anything (sft|dpo|rm|kto|grpo|rloo|ppo)$", run.output, re.MULTILINE)
+            re.findall(
+                r"^align_anything (sft|dpo|rm|kto|grpo|rloo|ppo|diffusion_sft|diffusion_dpo)$",
+                run.output,
+                re.MULTILINE,
+            )
         )
         == 1
     )

@@ -260,6 +260,11 @@ class Engine:
             yield module
             return
         offload = self.engine.optimizer.parameter_offload
+        # Parameters prefetched by the last forward may still be in flight (once DeepSpeed has
+        # recorded the module trace): GatheredParameters skips them and they would stay
+        # partitioned inside the block (measured: a diffusers UNet's Linear then sees its 1-D
+        # partition after a few training steps on 2 ranks). Release them first.
+        self.engine.empty_partition_cache()
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             for param in module.parameters():
                 param.ds_active_sub_modules.clear()

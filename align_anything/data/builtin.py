@@ -75,7 +75,9 @@ ANSWER_RE = re.compile(r"Answer: (-?\d+)")
 
 def builtin_path(name: str) -> Path | None:
     """The shipped file for a built-in dataset name, or None when `name` is not built in."""
-    filename = BUILTIN_DATASETS.get(name)
+    from align_anything.data.shapes import SHAPE_DATASETS
+
+    filename = BUILTIN_DATASETS.get(name) or SHAPE_DATASETS.get(name)
     return BUILTIN_DIR / filename if filename else None
 
 
@@ -264,5 +266,7 @@ def write_all(directory: Path = BUILTIN_DIR) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    for name, count in write_all().items():
+    from align_anything.data import shapes
+
+    for name, count in {**write_all(), **shapes.write_all()}.items():
         print(f"{name}: {count} rows -> {builtin_path(name)}")

@@ -20,17 +20,19 @@ once, in batches, and read back as numpy memory maps.
   once: `latents.npy` [images, C, h, w], `prompt_embeds.npy` [captions, L, D],
   `pooled_prompt_embeds.npy` [captions, P] (families with pooled embeddings),
   `geometry.npy` [images, 4] (original height, width, crop top, left: SDXL's conditioning),
-  and `rows.npy`: per training row (caption, image) or (caption, chosen, rejected) indices.
+  `rows.npy`: per training row (caption, image) or (caption, chosen, rejected) indices, and
+  `captions.json`: the caption texts (sample prompts are drawn from the held-out ones).
   Arrays keep the encoders' dtype (bfloat16 stored as its 16-bit pattern: numpy has no bf16).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,7 @@ from align_anything.data.images import ImageRef, ImageSource, center_crop
 from align_anything.errors import DataError
 
 # Raise when the same inputs would encode to other arrays (it is part of every key).
-LATENT_ENCODER_VERSION = 1
+LATENT_ENCODER_VERSION = 2  # 2: captions.json
 ARRAYS = ("latents", "prompt_embeds", "pooled_prompt_embeds", "geometry", "rows")
 
 ImageEncoder = Callable[[torch.Tensor], torch.Tensor]
@@ -171,6 +173,7 @@ def _encode(source: ImageSource, tmp: Path, *, resolution: int, encode_images: I
     np.save(tmp / "geometry.npy", geometry)
     writers: dict[str, _ArrayWriter] = {}
     texts = list(captions)
+    (tmp / "captions.json").write_text(json.dumps(texts))
     for start in range(0, len(texts), batch_size):
         for name, tensor in encode_prompts(texts[start : start + batch_size]).items():
             if name not in writers:
@@ -254,6 +257,11 @@ class EncodedImages:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @functools.cached_property
+    def captions(self) -> list[str]:
+        """The caption texts, by caption index (`rows[:, 0]`)."""
+        return json.loads((self.folder / "captions.json").read_text())
+
     def _images(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
         order = np.argsort(ids, kind="stable")  # memory maps read fastest in file order
         back = np.empty_like(order)
@@ -301,3 +309,47 @@ def open_latent_cache(folder: Path, *, note: str = "") -> EncodedImages:
         pooled_prompt_embeds=_load(folder, "pooled_prompt_embeds"), dtypes=dtypes,
         rows_from=manifest["rows_from"], report=DataReport(**manifest["report"]), note=note,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LatentRow:
+    """One row of a split of a latent cache entry: its `position` in the split (the row index
+    the noise draws are seeded by: `forward_diffusion.draw_seed`), the entry's row it reads
+    (`source`) in `images`, and the optimizer step that draws it (None: a held-out row, whose
+    draws are the same at every evaluation)."""
+
+    position: int
+    source: int
+    images: EncodedImages = field(repr=False, compare=False)
+    step: int | None = None
+
+    def at(self, step: int) -> LatentRow:
+        """This row as drawn by optimizer step `step`."""
+        return LatentRow(self.position, self.source, self.images, step)
+
+
+def row_tensors(rows: Sequence[LatentRow]) -> Any:
+    """The CPU tensors of `rows` (of one latent cache entry; see `EncodedImages.batch`)."""
+    images = rows[0].images
+    if any(row.images is not images for row in rows):
+        raise ValueError("rows of different latent cache entries in one batch")
+    return images.batch([row.source for row in rows])
+
+
+class LatentRows(Sequence[LatentRow]):
+    """A split of a latent cache entry: rows `indices` of `images` (the held-out split, the
+    training rest, or all of an entry), read as `LatentRow`s (`row_tensors` gives a batch of
+    them). A view: nothing is copied."""
+
+    def __init__(self, images: EncodedImages, indices: Sequence[int]) -> None:
+        self.images = images
+        self.indices = np.asarray(indices, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> LatentRow:  # type: ignore[override]
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} of {len(self)}")
+        index %= len(self)
+        return LatentRow(index, int(self.indices[index]), self.images)

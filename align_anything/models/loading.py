@@ -95,8 +95,9 @@ def refuse_pipeline(name_or_path: str, path: str) -> None:
     if (Path(path) / "model_index.json").is_file() and not (Path(path) / "config.json").is_file():
         raise ModelError(
             f"model.name_or_path={name_or_path!r} is a diffusers text-to-image pipeline "
-            "(model_index.json), not a language model: train it with a diffusion task, or give "
-            "this task a transformers model folder"
+            "(model_index.json), not a language model: train it with a diffusion task "
+            "(task=diffusion_sft or task=diffusion_dpo), or give this task a transformers model "
+            "folder"
         )
 
 

@@ -88,7 +88,7 @@ def add_adapters(
     (`sequence_classification`) the score head is trained fully (PEFT's modules_to_save)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    if target_modules == "all-linear":
+    if target_modules in ("all-linear", "default"):  # a language model's default: all-linear
         targets: list[str] | str = default_target_regex(model)
     else:
         targets = list(target_modules)

@@ -83,3 +83,24 @@ def denoiser_sizes(info: PipelineInfo, *, adapters: dict[str, Any] | None = None
             add_denoiser_adapters(model, family=info.family, **adapters)
     trainable, frozen = count_parameters(model)
     return DenoiserSizes(trainable + frozen, trainable, _largest_layer(model))
+
+
+def frozen_part_sizes(info: PipelineInfo) -> dict[str, int]:
+    """Parameter counts of a pipeline's frozen parts (VAE, text encoders), each built from its
+    config on the meta device (no weights read)."""
+    import importlib
+
+    counts = {}
+    for part in ("vae", *info.text_encoders):
+        library, class_name = info.components[part]
+        cls = getattr(importlib.import_module(library), class_name)
+        folder = str(info.part_path(part))
+        with torch.device("meta"):
+            if library == "diffusers":
+                model = cls.from_config(cls.load_config(folder))
+            else:
+                from transformers import AutoConfig
+
+                model = cls(AutoConfig.from_pretrained(folder))
+        counts[part] = sum(p.numel() for p in model.parameters())
+    return counts

@@ -12,6 +12,8 @@ Built-in names serve the offline default run and the tests:
   model, with a processor made locally (built here).
 - `tiny-random-sd`, `-sd-v`, `-sdxl`, `-sd3`, `-flux`: tiny diffusers text-to-image pipelines,
   one per family (built in `models/diffusion/tiny.py`), saved and loaded the same way.
+- `tiny-t2i-shapes`: the project's own trained text-to-image pipeline (a diffusers folder,
+  ~3 MB, shipped in the package: `models/t2i_shapes.py`), not built but read where it lies.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from align_anything import atomic
 from align_anything.config import names_a_missing_folder
 from align_anything.errors import ModelError
+from align_anything.models import t2i_shapes
 from align_anything.models.diffusion.tiny import BUILTIN_PIPELINES
 
 TEXT_SIZE = 64  # hidden size of the tiny language models
@@ -217,6 +220,22 @@ def _complete(folder: Path) -> bool:
     return any((folder / name).exists() for name in MODEL_FILES)
 
 
+# Built-in name -> a folder shipped inside the package (trained weights; nothing to build).
+SHIPPED_MODELS: dict[str, Path] = {
+    t2i_shapes.NAME: t2i_shapes.SHIPPED_DIR,
+}
+
+
+def _shipped(name: str) -> Path:
+    folder = SHIPPED_MODELS[name]
+    if not (folder / "model_index.json").is_file():
+        raise ModelError(
+            f"built-in model {name!r} should be at {folder} but its model_index.json is "
+            "missing; reinstall align_anything"
+        )
+    return folder
+
+
 def _materialise(name: str) -> Path:
     """Build a built-in model into the cache once; safe when several ranks race (file lock,
     build into a temporary folder, rename when complete)."""
@@ -248,6 +267,8 @@ def resolve_model_path(name_or_path: str, *, key: str = "model.name_or_path") ->
     `key` is the config key that gave the name, for messages (e.g. `reward.model`)."""
     if name_or_path in BUILTIN_MODELS:
         return str(_materialise(name_or_path))
+    if name_or_path in SHIPPED_MODELS:
+        return str(_shipped(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not _complete(path):

@@ -7,7 +7,7 @@ The loop (`training/loop.py`) does not change."""
 
 from __future__ import annotations
 
-from align_anything.tasks import dpo, grpo, kto, ppo, rloo, rm, sft
+from align_anything.tasks import diffusion_dpo, diffusion_sft, dpo, grpo, kto, ppo, rloo, rm, sft
 from align_anything.training.task import TaskSpec
 
 TASKS: dict[str, TaskSpec] = {
@@ -18,4 +18,6 @@ TASKS: dict[str, TaskSpec] = {
     "grpo": grpo.SPEC,
     "rloo": rloo.SPEC,
     "ppo": ppo.SPEC,
+    "diffusion_sft": diffusion_sft.SPEC,
+    "diffusion_dpo": diffusion_dpo.SPEC,
 }

@@ -152,6 +152,9 @@ class DPO:
     def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         return metrics
 
+    def after_step(self, step: int) -> None:
+        pass  # nothing of its own after a step
+
     def evaluate_extra(self, label: str) -> dict[str, float]:
         return self.check_generation()
 

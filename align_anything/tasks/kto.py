@@ -365,6 +365,9 @@ class KTO:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         return metrics
 
+    def after_step(self, step: int) -> None:
+        pass  # nothing of its own after a step
+
     def evaluate_extra(self, label: str) -> dict[str, float]:
         return self.check_generation()
 

@@ -497,6 +497,9 @@ class OnlineRL:
         return self.algorithm.finalize_metrics(metrics)
 
     @torch.no_grad()
+    def after_step(self, step: int) -> None:
+        pass  # nothing of its own after a step
+
     def evaluate_extra(self, label: str) -> dict[str, float]:
         """Greedy answers to the first `eval_samples` held-out prompts: the mean reward (total
         and per reward) and, for built-in data, the share passing the generation check."""

@@ -128,6 +128,9 @@ class RM:
             metrics["reward_std"] = max(mean_sq - mean * mean, 0.0) ** 0.5
         return metrics
 
+    def after_step(self, step: int) -> None:
+        pass  # nothing of its own after a step
+
     def evaluate_extra(self, label: str) -> dict[str, float]:
         return {}
 

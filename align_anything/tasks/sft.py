@@ -122,6 +122,9 @@ class SFT:
             metrics["perplexity"] = math.exp(min(metrics["loss"], 50.0))
         return metrics
 
+    def after_step(self, step: int) -> None:
+        pass  # nothing of its own after a step
+
     def evaluate_extra(self, label: str) -> dict[str, float]:
         return {}
 

@@ -7,7 +7,9 @@ Works for checkpoints of any ZeRO stage and world size, on one CPU process: the 
 merged by DeepSpeed's own `zero_to_fp32`, the architecture and tokenizer come from the run's
 `model.name_or_path` (recorded in the checkpoint's run_config.json), and the result is written
 as safetensors with the tokenizer, loadable by `from_pretrained`. LoRA runs (a checkpoint, or the
-adapter folder `final/`) are merged into the base weights, giving a plain model folder.
+adapter folder `final/`) are merged into the base weights, giving a plain model folder. A
+text-to-image run's export is a whole diffusers pipeline folder (the trained denoiser, the base
+pipeline's frozen parts) that `DiffusionPipeline.from_pretrained` loads.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from align_anything.config import DIFFUSION_TASKS
 from align_anything.errors import ConfigError, UserError, report
 
 
@@ -73,6 +76,8 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
             "(output_dir/checkpoints/step-N) or the final/ folder of a LoRA run"
         )
     run = json.loads(config_file.read_text())
+    if run["task"] in DIFFUSION_TASKS:
+        return export_pipeline(folder, run, target, record=record)
     model_path = resolve_model_path(run["model"]["name_or_path"])
     if lora.is_adapter_folder(folder):
         return lora.merge_adapter_folder(
@@ -105,6 +110,50 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
     if adapters.get("enabled"):
         model = model.merge_and_unload()
     return lora.write_hf_folder(model, processor or tokenizer, target, export_record=record)
+
+
+def export_pipeline(folder: Path, run: dict, target: Path, *, record: dict) -> Path:
+    """A text-to-image run's export: a whole diffusers pipeline folder (`DiffusionPipeline.
+    from_pretrained` loads it) from a checkpoint of any ZeRO stage (the denoiser's gathered
+    weights, a LoRA adapter merged) or from a LoRA run's `final/` adapter (merged through
+    diffusers' own `load_lora_weights` and `fuse_lora`); the frozen parts are the base
+    pipeline's, in fp32."""
+    import torch
+
+    from align_anything import atomic
+    from align_anything.backend.universal import checkpoint_state_dict
+    from align_anything.models import diffusion
+    from align_anything.models.lora import EXPORT_RECORD
+
+    info = diffusion.inspect_pipeline(run["model"]["name_or_path"])
+    extra = {EXPORT_RECORD: record}
+    if (folder / diffusion.LORA_WEIGHTS).is_file():  # final/ of a LoRA run
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(str(info.path), torch_dtype=torch.float32)
+        pipe.load_lora_weights(str(folder))
+        pipe.fuse_lora()
+        pipe.unload_lora_weights()
+        with atomic.folder(target) as tmp:
+            pipe.save_pretrained(tmp, safe_serialization=True)
+            (tmp / EXPORT_RECORD).write_text(atomic.to_json(record))
+        return target
+    lora = run["model"].get("lora", {})
+    adapters = (
+        {key: lora[key] for key in ("r", "alpha", "dropout", "target_modules")}
+        if lora.get("enabled") else None
+    )  # fmt: skip
+    try:
+        denoiser = diffusion.denoiser_from_state_dict(
+            info, checkpoint_state_dict(folder), adapters=adapters
+        )
+    except RuntimeError as err:  # load_state_dict: missing / unexpected keys
+        raise ConfigError(
+            f"{folder}: its weights do not match {run['model']['name_or_path']}'s denoiser "
+            f"({str(err).splitlines()[0][:300]})"
+        ) from None
+    parts = diffusion.load_frozen_parts(info, dtype=torch.float32)
+    return diffusion.save_pipeline(parts, denoiser, target, configs=extra)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,9 +14,10 @@ from align_anything.training.task import Task
 
 
 def save_final(run: Run) -> Path | None:
-    """Export `output_dir/final` from the policy (see `checkpoints.save_final`), and each
-    engine trained beside it whose model says how (`exported`) as `final-<name>` (PPO's critic:
-    the reward-model folder it wraps). Collective."""
+    """Export `output_dir/final` (and `final-ema/`, `final-merged/`) from the policy's gathered
+    weights, as the model family writes it, and each engine trained beside the policy whose
+    model says how (`exported`) as `final-<name>` (PPO's critic: the reward-model folder it
+    wraps). Collective."""
     cfg = run.cfg
     if not cfg.checkpoint.save_final:
         return None
@@ -32,14 +33,7 @@ def save_final(run: Run) -> Path | None:
             )  # fmt: skip
     state = run.policy.full_state_dict()
     if run.dist.is_main:
-        lora = cfg.model.lora
-        checkpoints.save_final(
-            run.output.path, run.policy.module, state,
-            ema_state=run.ema.state_dict(state) if run.ema is not None else None,
-            tokenizer=run.model.saved_tokenizer, configs=run.configs(),
-            merge_onto=run.model.path if lora.enabled and lora.save_merged else None,
-            task=cfg.task,
-        )  # fmt: skip
+        run.family.save_final(run, state)  # a transformers folder, or a diffusers pipeline
     comm.barrier()
     return run.output.path / "final"
 

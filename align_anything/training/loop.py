@@ -3,7 +3,8 @@
 Each optimizer step reads top to bottom: the step's micro-batches (from the step source:
 seeded rows, or an online-RL generation round) → the task's statistic over the whole step
 (KTO's KL point) → per micro-batch its loss and backward → the update of every engine that got
-a loss → the weight average → log → evaluate, checkpoint, honour a stop signal, when due.
+a loss → the weight average → log → the task's own work after the step (a sample grid) →
+evaluate, checkpoint, honour a stop signal, when due.
 Evaluation (`evaluate`) runs before the first step and after the last.
 
 Normalisation: a micro-batch's loss is its summed per-item loss divided by (global items in the
@@ -146,6 +147,7 @@ def after_step(
 ) -> None:
     """Evaluation and a checkpoint when due; a requested stop after a checkpoint."""
     cfg, step = run.cfg, run.state.step
+    task.after_step(step)  # e.g. the text-to-image tasks' sample grid, when due
     every_eval, every_save = cfg.train.eval_every_steps, cfg.checkpoint.every_steps
     if every_eval and step % every_eval == 0 and step != run.schedule.total_steps:
         label = f"step {step}"  # (the final evaluation follows anyway)

@@ -41,7 +41,7 @@ class StartupFacts:
     offload: list[str]
     preset_file: str
     precision: str
-    attention: str
+    attention: str | None  # the attention kernel (None: not a transformers model's choice)
     ds_config: str
     memory_plan: str
     lines: list[str]  # the set-up steps' and the task's own lines
@@ -69,7 +69,7 @@ def startup_summary(f: StartupFacts) -> str:
         + f" ({f.preset_file})",
         f"  precision       {f.precision}",
         *([f"  versions        {f.versions}"] if f.versions else []),
-        f"  attention       {f.attention}",
+        *([f"  attention       {f.attention}"] if f.attention else []),
         f"  ds config       {f.ds_config}",
         f"  memory plan     {f.memory_plan}",
         *([f"  parts           {f.parts}"] if f.parts else []),

@@ -3,7 +3,8 @@ task builders. Each part is its own small record, made by one set-up step:
 
 - `OutputClaim`: the output folder, its lock, the run id and the checkpoint to resume from;
 - `ModelSide`: the model's config, tokenizer or processor, media support, attention kernel —
-  everything known before any weights load;
+  everything known before any weights load; for a text-to-image pipeline `PipelineSide`: its
+  parts and target (from its JSON files), the frozen VAE and text encoders, the resolution;
 - `Data`: the encoded splits (memory-mapped Arrow), their reports and fingerprints;
 - `Schedule`: steps per epoch, total and warmup steps;
 - the DeepSpeed plan (`plan.DeepSpeedPlan`), the trained engines, the weight average;
@@ -22,9 +23,10 @@ from align_anything.backend.engine import Engine
 from align_anything.config import RunConfig
 from align_anything.data.formats import DataReport
 from align_anything.data.multimodal import MediaSupport
-from align_anything.data.rows import EncodedRows, RecordsView
+from align_anything.models.diffusion.pipeline import FrozenParts, PipelineInfo
 from align_anything.models.ema import WeightEMA
 from align_anything.plan import DeepSpeedPlan
+from align_anything.training.family import ModelFamily
 from align_anything.training.output_dir import Lock
 from align_anything.training.tracking import MetricsLogger
 
@@ -60,17 +62,32 @@ class ModelSide:
         return self.processor or self.tokenizer
 
 
+@dataclass(frozen=True)
+class PipelineSide:
+    """A text-to-image pipeline as far as set-up needs it before the denoiser loads: `name` as
+    the user gave it, `path` it resolved to, `info` (family, parts, target, from its JSON
+    files), the frozen `parts` (VAE, text encoders, tokenizers, schedulers: whole on this
+    rank's device in the run's precision, outside any engine) and the training `resolution`."""
+
+    name: str
+    path: str
+    info: PipelineInfo
+    parts: FrozenParts
+    resolution: int
+
+
 @dataclass
 class Data:
     """The run's encoded splits, opened from the data cache: `train` (`EncodedRows`, or SFT's
-    packed view of them), `eval`, the held-out records (for generation checks), the per-split
+    packed view of them; for text-to-image rows of the latent cache), `eval`, the held-out
+    records (for generation checks; text-to-image: the held-out captions), the per-split
     reports (kept, dropped and why), the fingerprints a resume checks, the training rows'
     lengths (for length grouping), what one training item is called in the summary, and other
     encoded sets the task reads (`extra`, from its `prepare_data` hook)."""
 
-    train: Sequence[dict]
-    eval: EncodedRows
-    eval_records: RecordsView
+    train: Sequence[Any]
+    eval: Sequence[Any]
+    eval_records: Sequence[Any]
     reports: list[DataReport]
     fingerprints: dict[str, str]
     lengths: Sequence[int]
@@ -111,7 +128,9 @@ class RunState:
 class Run:
     """Everything set-up made, for the loop (`loop.train`) and the task builders.
 
-    `engines` holds the trained DeepSpeed engines by name: "policy" always (the model the run
+    `family` is the kind of model (`training.family`: language models or text-to-image
+    pipelines), `model` what set-up read of it. `engines` holds the trained DeepSpeed engines
+    by name: "policy" always (the model the run
     trains and exports), and any a task trains beside it (PPO's "critic"). `summary` collects
     the start-up summary's lines from every set-up step and task builder. `logger` exists on
     rank 0 once logging has started (`setup.start_logging`)."""
@@ -119,7 +138,8 @@ class Run:
     cfg: RunConfig
     dist: DistInfo
     output: OutputClaim
-    model: ModelSide
+    family: ModelFamily
+    model: ModelSide | PipelineSide
     data: Data
     ds_plan: DeepSpeedPlan
     schedule: Schedule

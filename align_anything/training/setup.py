@@ -4,11 +4,17 @@ any weights load):
 
 1. `start_process`: logging backends checked, the process group, seeds;
 2. `claim_output`: the output folder's lock, the run id, the checkpoint to resume from;
-3. `load_model_side`: config, tokenizer or processor, media support, attention kernel;
-4. `build_data`: the encoded splits through the on-disk Arrow cache;
+3. the model side: config, tokenizer or processor, media support, attention kernel
+   (`load_model_side`; a text-to-image pipeline: its parts and frozen encoders);
+4. the data: the encoded splits through the on-disk cache (`build_data`; text-to-image: the
+   latent cache);
 5. `plan_deepspeed` and the task's schedule, then `check_resume` against the checkpoint;
-6. `build_policy`: the model (ZeRO-3: partitioned as it loads), its trained parts, the engine;
+6. the policy: the model (ZeRO-3: partitioned as it loads), its trained parts, the engine
+   (`build_policy`; text-to-image: the denoiser);
 7. `restore`: a resumed run's checkpoint; the weight average.
+
+Steps 3, 4 and 6 depend on the kind of model: they are the task's model family's
+(`training.family.ModelFamily`: `LANGUAGE_MODELS` below, or `text_to_image.PIPELINES`).
 
 Steps that hold something (the process group, the lock, run.json's status, the metrics
 sinks) register their own clean-up on the `ExitStack` the entry point opens, so whatever
@@ -47,6 +53,7 @@ from align_anything.models.prepare import prepare_for_training
 from align_anything.models.sizes import sizes_of
 from align_anything.training import checkpoints, report
 from align_anything.training import output_dir as outdir
+from align_anything.training.family import ModelFacts, ModelFamily, training_engine
 from align_anything.training.run import Data, ModelSide, OutputClaim, Run, Schedule
 from align_anything.training.sources import row_schedule
 from align_anything.training.task import TaskSpec
@@ -61,23 +68,25 @@ def setup(cfg: RunConfig, spec: TaskSpec, stack: ExitStack) -> Run:
     """Everything before the task is built and the first step runs (see the module)."""
     dist = start_process(cfg, stack)
     output = claim_output(cfg, dist, stack)
-    model = load_model_side(cfg, device_type=dist.device.type, reward_head=spec.reward_head)
+    family = spec.family or LANGUAGE_MODELS  # what the task trains (training/family.py)
+    model = family.load_model_side(cfg, dist, spec)
     if spec.check is not None:
         spec.check(cfg, model)  # e.g. reward functions resolved before any data or weights
-    data, summary = build_data(cfg, dist, model, spec)
+    data, summary = family.build_data(cfg, dist, model, spec)
     if spec.prepare_data is not None:
         summary += spec.prepare_data(cfg, model, data)
     resume_state = checkpoints.read_json(output.resume_dir / checkpoints.STATE) if (
         output.resume_dir is not None
     ) else None  # fmt: skip
-    ds_plan = plan_deepspeed(cfg, dist, model, output.resume_dir, resume_state)
+    ds_plan = plan_deepspeed(cfg, dist, family.bucket_width(model), output.resume_dir,
+                             resume_state)  # fmt: skip
     schedule = (spec.schedule or row_schedule)(cfg, data, ds_plan.batch)
     if resume_state is not None:
         assert output.resume_dir is not None
         summary += check_resume(cfg, output.resume_dir, resume_state, data, ds_plan, schedule,
                                 warn=dist.is_main)  # fmt: skip
     memory_before_model = memory.peak_memory_bytes()  # on CPU: interpreter, libraries, data
-    policy, lines = build_policy(cfg, model, ds_plan, schedule, reward_head=spec.reward_head)
+    policy, lines = family.build_policy(cfg, model, ds_plan, schedule, spec)
     summary += lines
     engines = {"policy": policy}
     if spec.engines is not None:  # trained beside the policy (PPO's critic), before `restore`
@@ -85,8 +94,8 @@ def setup(cfg: RunConfig, spec: TaskSpec, stack: ExitStack) -> Run:
         engines.update(others)
         summary += lines
     run = Run(
-        cfg=cfg, dist=dist, output=output, model=model, data=data, ds_plan=ds_plan,
-        schedule=schedule, engines=engines, ema=None,
+        cfg=cfg, dist=dist, output=output, family=family, model=model, data=data,
+        ds_plan=ds_plan, schedule=schedule, engines=engines, ema=None,
         memory_before_model=memory_before_model, summary=summary,
     )  # fmt: skip
     restore(run)
@@ -123,17 +132,17 @@ def claim_output(cfg: RunConfig, dist: comm.DistInfo, stack: ExitStack) -> Outpu
 # ---------------------------------------------------------------------------- 3: the model
 
 
-def load_model_side(cfg: RunConfig, *, device_type: str, reward_head: bool) -> ModelSide:
+def load_model_side(cfg: RunConfig, dist: comm.DistInfo, spec: TaskSpec) -> ModelSide:
     """The model's config and tokenizer (for image-text / audio-text models, the processor's
     tokenizer, and media support for the data); the attention kernel checked."""
-    model = cfg.model
+    model, reward_head = cfg.model, spec.reward_head
     path = zoo.resolve_model_path(model.name_or_path)
     config, tokenizer, processor = model_loading.load_text_side(
         path, trust_remote_code=model.trust_remote_code
     )
     modalities = model_loading.modalities_of(config)
     kernel = model_loading.check_attention(
-        model.attn_implementation, config, reward=reward_head, device_type=device_type,
+        model.attn_implementation, config, reward=reward_head, device_type=dist.device.type,
         precision=cfg.train.precision,
     )  # fmt: skip
     media = MediaSupport(processor, modalities) if modalities else None
@@ -193,6 +202,7 @@ def build_data(
     seconds, not after a model load) into the on-disk Arrow cache (`data.cache`), built by
     local rank 0 of each node while the other ranks wait, then opened by every rank. Returns
     the data and its start-up summary lines."""
+    assert spec.encoding is not None, f"{spec.name} encodes no text"
     pipe = data_spec(cfg, task=spec.name, kind=spec.record_kind, encoding=spec.encoding(cfg))
     prepared, parts = prepare_cached(cfg, dist, model, pipe)
     if not len(prepared.train):
@@ -271,18 +281,18 @@ def build_extra_data(
 
 
 def plan_deepspeed(
-    cfg: RunConfig, dist: comm.DistInfo, model: ModelSide, resume_dir: Path | None,
+    cfg: RunConfig, dist: comm.DistInfo, bucket_width: int, resume_dir: Path | None,
     resume_state: dict[str, Any] | None,
 ) -> plan.DeepSpeedPlan:  # fmt: skip
-    """The DeepSpeed config, batch plan and precision (`plan.resolve_deepspeed`); for
-    deepspeed=auto, rank 0 asks the memory planner (ranks on other nodes may see other
-    memory)."""
+    """The DeepSpeed config, batch plan and precision (`plan.resolve_deepspeed`; the bucket
+    sizes follow `bucket_width`, a language model's hidden size); for deepspeed=auto, rank 0
+    asks the memory planner (ranks on other nodes may see other memory)."""
     world = dist.world_size
     auto = None
     if cfg.deepspeed_source == AUTO_PRESET:
         auto = comm.decide_on_main(lambda: plan.choose_auto_preset(cfg, world_size=world))
     return plan.resolve_deepspeed(
-        cfg, world_size=world, model_config=model.config, device_type=comm.device_type(),
+        cfg, world_size=world, bucket_width=bucket_width, device_type=comm.device_type(),
         bf16_supported=comm.bf16_supported(), auto_choice=auto,
         resume=(resume_dir, resume_state) if resume_state is not None else None,
     )  # fmt: skip
@@ -312,11 +322,12 @@ def check_resume(
 
 
 def build_policy(
-    cfg: RunConfig, model: ModelSide, ds_plan: plan.DeepSpeedPlan, schedule: Schedule, *,
-    reward_head: bool,
+    cfg: RunConfig, model: ModelSide, ds_plan: plan.DeepSpeedPlan, schedule: Schedule,
+    spec: TaskSpec,
 ) -> tuple[Engine, list[str]]:  # fmt: skip
     """The trained model (ZeRO-3: partitioned as it loads), its trained parts (frozen parts,
     LoRA adapters, activation checkpointing), and its engine; start-up summary lines."""
+    reward_head = spec.reward_head
     with model_init_context(ds_plan.config):
         loaded = load_pretrained(cfg, model, precision=ds_plan.precision, reward_head=reward_head)
     prepared, lines = prepare_for_training(
@@ -324,14 +335,7 @@ def build_policy(
         adapters=cfg.model.lora.adapters(), reward=reward_head,
         gradient_checkpointing=cfg.speed.gradient_checkpointing,
     )  # fmt: skip
-    train = cfg.train
-    engine = Engine(
-        prepared, ds_plan.config,
-        adam=dsc.AdamSettings(train.learning_rate, train.adam_betas, train.adam_eps,
-                              train.weight_decay),
-        schedule=train.lr_scheduler, total_steps=schedule.total_steps,
-        warmup_steps=schedule.warmup_steps,
-    )  # fmt: skip
+    engine = training_engine(prepared, cfg, ds_plan, schedule)
     # Only where gradients are plain tensors (ZeRO-0, fp32 torch optimizer): see the module.
     if cfg.speed.tied_grads_in_place and engine.plain_gradients:
         if tied_embeddings.accumulate_in_place(engine.module):
@@ -408,27 +412,22 @@ def run_record(run: Run, *, task: str) -> Iterator[None]:
 def startup_facts(run: Run, *, task: str) -> report.StartupFacts:
     """What the start-up summary shows, read off the set-up run."""
     cfg, ds_plan, policy = run.cfg, run.ds_plan, run.policy
-    trainable, frozen = model_loading.count_parameters(policy.module)
+    facts = run.family.describe(run)
     offload = [
         name for name, on in (("optimizer", dsc.offloads_optimizer(ds_plan.config)),
                               ("parameters", dsc.offloads_params(ds_plan.config))) if on
     ]  # fmt: skip
-    parts = None
-    if run.model.media is not None or cfg.model.freeze:
-        parts = model_parts.describe_parts(model_parts.part_counts(policy.module))
     return report.StartupFacts(
-        task=task, model=cfg.model.name_or_path, model_type=run.model.config.model_type,
-        trainable=trainable, frozen=frozen, parts=parts,
+        task=task, model=cfg.model.name_or_path, model_type=facts.model_type,
+        trainable=facts.trainable, frozen=facts.frozen, parts=facts.parts,
         world=f"{ds_plan.batch.world_size} ({run.dist.backend} on {run.dist.device.type})",
         batch=ds_plan.batch.describe(), total_steps=run.schedule.total_steps,
         steps_per_epoch=run.schedule.steps_per_epoch, train_rows=len(run.data.train),
         train_unit=run.data.train_unit, eval_rows=len(run.data.eval),
         zero_stage=policy.zero_stage, offload=offload, preset_file=Path(ds_plan.source).name,
-        precision=ds_plan.precision,
-        attention=f"{policy.module.config._attn_implementation} "
-        f"(model.attn_implementation={cfg.model.attn_implementation})",
+        precision=ds_plan.precision, attention=facts.attention,
         ds_config=json.dumps(ds_plan.config, separators=(",", ":")),
-        memory_plan=f"{memory_plan(run)}; now {memory.memory_summary()}",
+        memory_plan=f"{facts.memory_plan}; now {memory.memory_summary()}",
         lines=[*ds_plan.notes, *run.summary],
         data_reports=[r.summary() for r in run.data.reports],
         logging_notes=list(run.logger.notes) if run.logger is not None else [],
@@ -438,22 +437,45 @@ def startup_facts(run: Run, *, task: str) -> report.StartupFacts:
     )  # fmt: skip
 
 
-def memory_plan(run: Run) -> str:
-    """The planner's per-device estimate for this run's resolved preset (the figure
-    `python -m align_anything plan` and `deepspeed=auto` use), every trained engine counted."""
-    ds_plan = run.ds_plan
-    sizes = sizes_of(run.policy.module, run.model.config)
+def describe_model(run: Run) -> ModelFacts:
+    """The start-up summary's model facts of a language model: its type and parameter counts,
+    the per-part line (multimodal models and frozen parts), the attention kernel, and the
+    planner's per-device estimate for this run's resolved preset (the figure `python -m
+    align_anything plan` and `deepspeed=auto` use), every engine trained beside the policy
+    (PPO's critic) counted."""
+    cfg, ds_plan, module = run.cfg, run.ds_plan, run.policy.module
+    trainable, frozen = model_loading.count_parameters(module)
+    parts = None
+    if run.model.media is not None or cfg.model.freeze:
+        parts = model_parts.describe_parts(model_parts.part_counts(module))
     beside = [
         sizes_of(engine.module, engine.module.config)
         for name, engine in run.engines.items() if name != "policy"
     ]  # fmt: skip
     world = ds_plan.batch.world_size
     estimate = plan.estimate_preset(
-        Path(ds_plan.source).stem, ds_plan.config, sizes, run.cfg, world_size=world,
-        precision=ds_plan.precision, gpus_per_node=plan.local_devices(world),
+        Path(ds_plan.source).stem, ds_plan.config, sizes_of(module, run.model.config), cfg,
+        world_size=world, precision=ds_plan.precision, gpus_per_node=plan.local_devices(world),
         trained_beside=beside,
     )  # fmt: skip
-    return report.describe_estimate(estimate)
+    return ModelFacts(
+        model_type=run.model.config.model_type, trainable=trainable, frozen=frozen, parts=parts,
+        attention=f"{module.config._attn_implementation} "
+        f"(model.attn_implementation={cfg.model.attn_implementation})",
+        memory_plan=report.describe_estimate(estimate),
+    )  # fmt: skip
+
+
+def save_final(run: Run, state: dict[str, torch.Tensor] | None) -> None:
+    """Rank 0: `final/` (the model, or a LoRA run's adapter), `final-ema/` with EMA and
+    `final-merged/` with `model.lora.save_merged`, from the policy's gathered `state`."""
+    cfg, lora = run.cfg, run.cfg.model.lora
+    checkpoints.save_final(
+        run.output.path, run.policy.module, state,
+        ema_state=run.ema.state_dict(state) if run.ema is not None else None,
+        tokenizer=run.model.saved_tokenizer, configs=run.configs(),
+        merge_onto=run.model.path if lora.enabled and lora.save_merged else None, task=cfg.task,
+    )  # fmt: skip
 
 
 def fresh_model_loader(run: Run, *, reward_head: bool = False) -> Callable[[], torch.nn.Module]:
@@ -466,3 +488,12 @@ def fresh_model_loader(run: Run, *, reward_head: bool = False) -> Callable[[], t
                                    reward_head=reward_head)  # fmt: skip
 
     return load
+
+
+# Language models: transformers models with a tokenizer or processor (every task but the
+# text-to-image ones, whose family is `text_to_image.PIPELINES`).
+LANGUAGE_MODELS = ModelFamily(
+    name="language model", load_model_side=load_model_side, build_data=build_data,
+    bucket_width=lambda model: model_loading.text_hidden_size(model.config),
+    build_policy=build_policy, describe=describe_model, save_final=save_final,
+)  # fmt: skip

@@ -22,7 +22,8 @@ from align_anything.backend.engine import Engine
 from align_anything.config import RunConfig
 from align_anything.data.encode import Encoding
 from align_anything.plan import DeepSpeedPlan
-from align_anything.training.run import Data, ModelSide, Run, Schedule
+from align_anything.training.family import ModelFamily
+from align_anything.training.run import Data, ModelSide, PipelineSide, Run, Schedule
 
 
 @dataclass
@@ -82,6 +83,12 @@ class Task(Protocol):
         """Derive logged figures from averaged metrics (perplexity from loss, ...)."""
         ...
 
+    def after_step(self, step: int) -> None:
+        """The task's own work after optimizer step `step` (1-based), before any evaluation or
+        checkpoint of that step: the text-to-image tasks' sample grid every
+        `logging.samples_every` steps; nothing for most tasks. Collective where it gathers."""
+        ...
+
     def evaluate_extra(self, label: str) -> dict[str, float]:
         """The task's own held-out figures (generation checks), before and after training.
         Collective."""
@@ -127,8 +134,12 @@ class TaskSpec:
     function; the optional ones are None where a task needs nothing.
 
     - `record_kind`: the data format it consumes ("conversation", "preference", "unpaired",
-      "prompt").
-    - `encoding(cfg)`: how its records are encoded (`data.pipeline`, cached).
+      "prompt"; text-to-image: "captioned" images or image "pairs").
+    - `family`: the kind of model it trains (`training.family`; None: a language model,
+      `setup.LANGUAGE_MODELS`; the text-to-image tasks: `text_to_image.PIPELINES`).
+    - `encoding(cfg)`: how its records are encoded (`data.pipeline`, cached); None for the
+      text-to-image tasks, whose images and captions go through the pipeline's own encoders
+      into the latent cache.
     - `build(run)`: the task and its step source, given the set-up run (reference models,
       reward models, generation backends are made here, as the task's fields).
     - `reward_head`: the trained model is a scalar-head reward model (task=rm).
@@ -144,11 +155,12 @@ class TaskSpec:
 
     name: str
     record_kind: str
-    encoding: Callable[[RunConfig], Encoding]
+    encoding: Callable[[RunConfig], Encoding] | None
     build: Callable[[Run], tuple[Task, StepSource]]
+    family: ModelFamily | None = None
     reward_head: bool = False
-    check: Callable[[RunConfig, ModelSide], None] | None = None
-    prepare_data: Callable[[RunConfig, ModelSide, Data], list[str]] | None = None
+    check: Callable[[RunConfig, ModelSide | PipelineSide], None] | None = None
+    prepare_data: Callable[[RunConfig, ModelSide | PipelineSide, Data], list[str]] | None = None
     schedule: Callable[[RunConfig, Data, BatchPlan], Schedule] | None = None
     engines: (
         Callable[

@@ -102,6 +102,19 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
 
+    def log_image(self, step: int, name: str, image: Any, *, caption: str = "") -> None:
+        """An image (a PIL image: text-to-image runs' sample grid) to TensorBoard and wandb
+        when they are on; metrics.jsonl holds numbers only (the grid is a PNG file)."""
+        if self._tb is not None:
+            import numpy as np
+
+            self._tb.add_image(name, np.asarray(image), step, dataformats="HWC")
+            self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({name: wandb.Image(image, caption=caption)}, step=step)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
@@ -218,7 +231,8 @@ class MetricWindow:
         return {
             "learning_rate": self.learning_rate,
             "grad_norm": self.grad_norm,
-            "tokens_per_second": self.tokens / elapsed,
+            # None where a task puts no tokens through its model (text-to-image: images)
+            "tokens_per_second": self.tokens / elapsed if self.tokens else None,
             "samples_per_second": self.items / elapsed if samples else None,
             "elapsed_seconds": now - self.start,
         }

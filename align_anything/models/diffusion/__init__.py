@@ -17,6 +17,7 @@ diffusion tasks (denoising fine-tuning, Diffusion-DPO).
 """
 
 from align_anything.models.diffusion.adapters import (
+    LORA_WEIGHTS,
     adapters_disabled,
     add_denoiser_adapters,
     default_denoiser_targets,
@@ -26,6 +27,7 @@ from align_anything.models.diffusion.families import FAMILIES
 from align_anything.models.diffusion.pipeline import (
     FrozenParts,
     PipelineInfo,
+    bucket_width,
     denoiser_from_state_dict,
     empty_denoiser,
     encoder_identity,
@@ -40,10 +42,12 @@ from align_anything.models.diffusion.sampling import sample_images, save_grid
 
 __all__ = [
     "FAMILIES",
+    "LORA_WEIGHTS",
     "FrozenParts",
     "PipelineInfo",
     "adapters_disabled",
     "add_denoiser_adapters",
+    "bucket_width",
     "denoiser_from_state_dict",
     "default_denoiser_targets",
     "empty_denoiser",

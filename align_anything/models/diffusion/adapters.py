@@ -31,6 +31,10 @@ UNET_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 TRANSFORMER_TARGETS = (*UNET_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
+# The file diffusers' `save_lora_weights` writes and `load_lora_weights` reads.
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+
+
 def default_denoiser_targets(family: str) -> list[str]:
     """The modules LoRA adapts by default in a denoiser of `family`."""
     return list(UNET_TARGETS if family in ("sd", "sdxl") else TRANSFORMER_TARGETS)
@@ -114,12 +118,13 @@ def adapter_state(denoiser: torch.nn.Module, state_dict: dict[str, torch.Tensor]
 
 def save_denoiser_adapter(
     denoiser: torch.nn.Module, state_dict: dict[str, torch.Tensor], directory: Path, *,
-    family: str, denoiser_part: str,
+    family: str, denoiser_part: str, configs: dict[str, Any] | None = None,
 ) -> Path:  # fmt: skip
     """Write the adapter of `denoiser` from a full gathered `state_dict` (ZeRO-3: the engine's
     consolidated one) into `directory` (atomically) as the family's pipeline class writes it:
-    `pytorch_lora_weights.safetensors`, which `pipeline.load_lora_weights(directory)` loads.
-    An adapter without weights (an empty ZeRO-3 partition) is refused rather than saved."""
+    `pytorch_lora_weights.safetensors`, which `pipeline.load_lora_weights(directory)` loads,
+    with `configs` (file name -> JSON data) beside it. An adapter without weights (an empty
+    ZeRO-3 partition) is refused rather than saved."""
     import diffusers
 
     from align_anything.models.diffusion.families import PIPELINE_CLASSES
@@ -143,6 +148,8 @@ def save_denoiser_adapter(
             tmp, safe_serialization=True, **{f"{denoiser_part}_lora_layers": layers},
             **{f"{denoiser_part}_lora_adapter_metadata": config},
         )  # fmt: skip
+        for name, data in (configs or {}).items():
+            (tmp / name).write_text(atomic.to_json(data))
     return Path(directory)
 
 

@@ -140,9 +140,9 @@ def resolve_pipeline_path(name_or_path: str) -> Path:
     """The local folder of a built-in name (`tiny-random-sd`, ...), a local folder, or a hub
     name already in the local Hugging Face cache; a `ModelError` naming the fix otherwise."""
     from align_anything.models.diffusion.tiny import BUILTIN_PIPELINES
-    from align_anything.models.zoo import BUILTIN_MODELS, resolve_model_path
+    from align_anything.models.zoo import BUILTIN_MODELS, SHIPPED_MODELS, resolve_model_path
 
-    if name_or_path in BUILTIN_MODELS:
+    if name_or_path in BUILTIN_MODELS or name_or_path in SHIPPED_MODELS:
         folder = Path(resolve_model_path(name_or_path))
         if not is_pipeline_folder(folder):
             raise _not_a_pipeline(name_or_path, folder)
@@ -153,10 +153,11 @@ def resolve_pipeline_path(name_or_path: str) -> Path:
             raise _not_a_pipeline(name_or_path, folder)
         return folder
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
-        hint = did_you_mean(name_or_path, BUILTIN_PIPELINES)
+        names = [*SHIPPED_MODELS, *BUILTIN_PIPELINES]
+        hint = did_you_mean(name_or_path, names)
         raise ModelError(
             f"model.name_or_path={name_or_path!r}: no such folder{hint}; built-in pipelines: "
-            f"{', '.join(BUILTIN_PIPELINES)}"
+            f"{', '.join(names)}"
         )
     try:  # a hub name: diffusers' own download (safetensors only), from the cache when offline
         from diffusers import DiffusionPipeline
@@ -266,8 +267,17 @@ def _denoiser_cls(info: PipelineInfo) -> type:
 def empty_denoiser(info: PipelineInfo, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The denoiser built from its config with fresh weights (under `torch.device("meta")`:
     sizes only, no memory)."""
+    from diffusers.utils import logging as diffusers_logging
+
     model = _denoiser_cls(info).from_config(info.denoiser_config)
-    return model.to(dtype) if dtype is not None else model
+    if dtype is None:
+        return model
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # "modules that should be kept in float32: []"
+    try:
+        return model.to(dtype)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -380,6 +390,20 @@ def _frozen(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Mod
     return module
 
 
+def _pipeline_class(name: str) -> Any:
+    """A diffusers pipeline class, imported without transformers' notes on image processors
+    the text-to-image pipelines never use ("CLIPImageProcessor requires torchvision")."""
+    import diffusers
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        return getattr(diffusers, name)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
 @dataclass
 class FrozenParts:
     """The parts of a pipeline that do not train: VAE, text encoders and tokenizers (in eval
@@ -403,12 +427,11 @@ class FrozenParts:
         """The family's text-to-image pipeline object over these modules and `denoiser` (None
         for the text side only: a denoiser on the meta device stands in, whose config the
         prompt encoding reads, e.g. SD3 without T5): references, no copies. No progress bar."""
-        import diffusers
 
         if denoiser is None:
             with torch.device("meta"):
                 denoiser = empty_denoiser(self.info)
-        cls = getattr(diffusers, self.info.pipeline_class)
+        cls = _pipeline_class(self.info.pipeline_class)
         expected, optional = cls._get_signature_keys(cls)
         parts: dict[str, Any] = {
             "vae": self.vae, "scheduler": self.scheduler, self.info.denoiser_part: denoiser,
@@ -517,15 +540,31 @@ def denoiser_from_state_dict(
     return merge_adapters(model).eval()
 
 
-def save_pipeline(parts: FrozenParts, denoiser: torch.nn.Module, out: Path) -> Path:
+def save_pipeline(
+    parts: FrozenParts, denoiser: torch.nn.Module, out: Path, *,
+    configs: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
     """Write a complete diffusers folder (every part, the folder's own sampling scheduler) that
     `DiffusionPipeline.from_pretrained(out)` loads, atomically (`atomic.folder`): `final/`.
-    `denoiser` is a whole model without adapters (`denoiser_from_state_dict`)."""
+    `denoiser` is a whole model without adapters (`denoiser_from_state_dict`); `configs` (file
+    name -> JSON data, e.g. the run's resolved configs) are written beside the parts."""
     from align_anything import atomic
 
     with atomic.folder(Path(out)) as tmp:
         parts.pipeline(denoiser).save_pretrained(tmp, safe_serialization=True)
+        for name, data in (configs or {}).items():
+            (tmp / name).write_text(atomic.to_json(data))
     return Path(out)
+
+
+def bucket_width(info: PipelineInfo) -> int:
+    """The denoiser's widest hidden size (a UNet's last block's channels, a transformer's
+    heads x head size): what DeepSpeed's bucket sizes follow, as a language model's hidden
+    size does (`backend.ds_config`)."""
+    config = info.denoiser_config
+    if info.family in ("sd", "sdxl"):
+        return int(max(config.get("block_out_channels") or [320]))
+    return int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 64))
 
 
 # ----------------------------------------------------------------- identity, for the cache key
