@@ -20,7 +20,9 @@ At the end it samples the 32 held-out captions of `t2i-shapes-eval` (DDIM, `--ch
 steps, seeds from the file) and prints the colour check, and writes a grid of those samples
 (`samples.png`) beside the folder.
 
-Measured on this machine (2 shared CPU cores, one thread, load average ~7): TODO.
+Measured on this machine (AMD EPYC, 2 shared CPU cores, one thread, load average ~10 from other
+jobs): 3,324 s wall, 1,003 s CPU for the defaults; the held-out colour check gives 0.406
+(13 of 32), the shipped `tiny-t2i-shapes-samples.png` is its grid.
 """
 
 from __future__ import annotations
