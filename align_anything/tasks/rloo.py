@@ -34,6 +34,7 @@ class RLOO:
     global_batch: int
     name: str = "rloo"
     needs_old_logps_for_reward: bool = True
+    importance_level: str = "sequence"  # its loss and ratio are per completion
 
     def rewards_for_advantages(
         self, rewards: list[float], batches: list[online.RolloutBatch]
@@ -66,6 +67,8 @@ class RLOO:
         losses, stats = rloo_per_sequence_loss(
             logps, old, batch.advantages, epsilon_low=low, epsilon_high=high
         )
+        if batch.is_weights is not None:  # rollout.importance_sampling (per sequence)
+            losses = losses * batch.is_weights
         total = losses.sum()
         metrics = {
             "loss": total.detach(),
