@@ -265,10 +265,16 @@ class LocalEngine:
         # a tied head is never loaded itself (its weight is the embedding's), so the reload
         # updates the shared tensor but not that handle: pack it again from the new weight.
         model = self._runner.model
-        head, embed = getattr(model, "lm_head", None), None
-        with contextlib.suppress(AttributeError):
-            embed = model.get_input_embeddings()
-        if head is None or embed is None or head.weight.data_ptr() != embed.weight.data_ptr():
+        head = getattr(model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        if weight is None or weight.numel() == 0:
+            return
+        tied = any(
+            m is not head and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.data_ptr() == weight.data_ptr()
+            for m in model.modules()
+        )  # fmt: skip
+        if not tied:
             return
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
@@ -288,6 +294,13 @@ class LocalEngine:
 
     def describe(self) -> str:
         return f"vLLM {self.version} on {self.platform}, started in {self.start_seconds:.0f} s"
+
+    def close(self) -> None:
+        """Shut the engine down now, while the process group it shares is still up (its own
+        exit hook would run after the run left the group, and fail)."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
 
 
 # ---------------------------------------------------------------------------- weights
@@ -620,6 +633,8 @@ def build_backend(run: Any, stop: Sequence[int]) -> VLLMColocate | VLLMServer:
             executor="external_launcher",
         )  # fmt: skip
     )
+    if run.cleanup is not None:
+        run.cleanup.callback(engine.close)
     if engine.arch != arch:
         raise ConfigError(
             f"the vLLM engine built from {cfg.model.name_or_path} is "

@@ -82,7 +82,7 @@ def setup(cfg: RunConfig, spec: TaskSpec, stack: ExitStack) -> Run:
     run = Run(
         cfg=cfg, dist=dist, output=output, model=model, data=data, ds_plan=ds_plan,
         schedule=schedule, engines={"policy": policy}, ema=None,
-        memory_before_model=memory_before_model, summary=summary,
+        memory_before_model=memory_before_model, summary=summary, cleanup=stack,
     )  # fmt: skip
     restore(run)
     return run
