@@ -606,6 +606,24 @@ class VLLMSection(_Section):
     enforce_eager: bool = Field(
         description="No CUDA graphs / torch.compile in the engine (starts faster; on a CPU vLLM runs eagerly anyway)."
     )
+    @field_validator("server_url")
+    @classmethod
+    def _host_and_port(cls, url: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(
+                "the URL carries credentials (user:password@), which the saved config would "
+                "keep: remove them"
+            )
+        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+            raise ValueError(
+                "not http://HOST:PORT (the port serve-rollout listens on), e.g. "
+                "http://127.0.0.1:8000"
+            )
+        return url
+
     sleep: bool = Field(
         description="mode=colocate: put the engine to sleep (its KV cache freed) while the trainer computes, and wake it for each round, where the platform supports it (GPUs; not CPUs, where this is a no-op the start-up summary names).",
     )
@@ -629,24 +647,11 @@ class RolloutSection(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutSection:
-        from urllib.parse import urlsplit
-
         if self.importance_sampling and self.backend != "vllm":
             raise ValueError(
                 "rollout.importance_sampling=true corrects the mismatch between an inference "
                 "engine's log-probs and the trainer's, but rollout.backend=hf samples from the "
                 "trained weights themselves: set rollout.backend=vllm, or importance_sampling=false"
-            )
-        parts = urlsplit(self.vllm.server_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
-            raise ValueError(
-                "rollout.vllm.server_url must be http://HOST:PORT (the port serve-rollout "
-                "listens on), e.g. http://127.0.0.1:8000"
-            )
-        if parts.username is not None or parts.password is not None:
-            raise ValueError(
-                "rollout.vllm.server_url carries credentials (user:password@), which the saved "
-                "config would keep: remove them"
             )
         return self
 
@@ -1126,7 +1131,7 @@ def _format_validation_error(err: ValidationError, raw: dict[str, Any]) -> list[
 # given where its variable's name belongs is a token.
 _UNSHOWN_VALUES = (
     ["reward", "remote", "urls"], ["reward", "remote", "headers_env"],
-    ["rollout", "vllm", "server_url"],
+    ["rollout", "vllm", "server_url"], ["rollout"],  # a section-level error shows the URL too
 )  # fmt: skip
 
 _UNION_TAG = re.compile(

@@ -122,8 +122,10 @@ def test_rollout_config() -> None:
     assert cfg.grpo.top_k == 0
     with pytest.raises(ConfigError, match="rollout.backend=hf samples from the trained weights"):
         load_config(["task=grpo", "rollout.importance_sampling=true"])
-    with pytest.raises(ConfigError, match=r"http://HOST:PORT") as err:
+    with pytest.raises(ConfigError, match=r"carries credentials") as err:
         load_config(["task=rloo", "rollout.vllm.server_url=http://user:pw@host/x"])
+    with pytest.raises(ConfigError, match=r"http://HOST:PORT"):
+        load_config(["task=rloo", "rollout.vllm.server_url=http://host/x"])
     assert "pw" not in str(err.value)
     with pytest.raises(ConfigError, match="the rollout section is for online RL"):
         load_config(["task=dpo", "rollout.backend=vllm"])
