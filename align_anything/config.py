@@ -173,6 +173,16 @@ class DataConfig(_Section):
         description="Where tokenised data is cached (null: `data/` under `ALIGN_ANYTHING_CACHE`, else ~/.cache/align_anything). A start with the same data, tokenizer, chat template, max_length, truncation and task encoding reads it instead of tokenising.",
     )
 
+    @field_validator("path", "eval_path")
+    @classmethod
+    def _some_source(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:  # would fail deep in the pipeline (#24, 12)
+            raise ValueError(
+                "an empty list names no data: give a file, folder, built-in or hub name, or a "
+                "list of at least one source, e.g. [{path: a.jsonl}]"
+            )
+        return value
+
 
 class EMASection(_Section):
     """An exponential moving average of the trained weights, updated every optimizer step."""
@@ -606,6 +616,7 @@ class VLLMSection(_Section):
     enforce_eager: bool = Field(
         description="No CUDA graphs / torch.compile in the engine (starts faster; on a CPU vLLM runs eagerly anyway)."
     )
+
     @field_validator("server_url")
     @classmethod
     def _host_and_port(cls, url: str) -> str:
@@ -875,7 +886,7 @@ class RunConfig(_Section):
     """The validated configuration of one run. Built only by `load_config`."""
 
     task: str = Field(
-        description="The trainer: sft, dpo, rm, kto, grpo or rloo (a file in configs/task/)."
+        description="The task: sft, dpo, rm, kto, grpo or rloo (a file in configs/task/)."
     )
     deepspeed: dict[str, Any] = Field(
         description="A shipped preset name (`python -m align_anything presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."

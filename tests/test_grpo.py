@@ -229,3 +229,27 @@ def test_planner_counts_generation_reference_and_reward_model() -> None:
     assert rm.reference == plan.reward_model_params("tiny-random-llama") * 4
     e = estimate("z3", [])
     assert math.isclose(e.total, e.model_states + e.reference + max(e.activations, e.generation))
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_decode_loop_samples_what_generate_samples(tiny_backend, greedy: bool) -> None:
+    """`decode.sample_completions` (each prompt prefilled once, its cache copied, finished
+    sequences retired) gives the completions transformers' `generate` gives with the same
+    per-completion generators: the prompts' left padding, positions and noise order agree."""
+    from align_anything.training.rollout import _stop_ids, completion_seed
+
+    backend, tokenizer = tiny_backend
+    prompts = [
+        {"prompt_ids": tokenizer("What is 2+2?")["input_ids"]},
+        {"prompt_ids": tokenizer("Which is larger, 56 or 20? Think about it.")["input_ids"]},
+        {"prompt_ids": tokenizer("Hi")["input_ids"]},
+    ]
+    sampling = Sampling(10, temperature=0.7, top_p=0.9, greedy=greedy)
+    seeds = [5, 6, 7]
+    module = backend.engine.module.eval()
+    stop = _stop_ids(module, tokenizer) + [tokenizer("a")["input_ids"][-1]]  # stops mid-way too
+    fast = backend._decode(module, prompts, 3, sampling, seeds, stop)
+    rows = [(p, completion_seed(seeds[i], j)) for i, p in enumerate(prompts) for j in range(3)]
+    slow = backend._generate(module, [r for r, _ in rows], [s for _, s in rows], sampling, stop)
+    assert [cut_at_stop(t, set(stop)) for t in fast] == [cut_at_stop(t, set(stop)) for t in slow]
+    assert len(fast) == 9 and any(len(t) < 10 for t in fast) == any(len(t) < 10 for t in slow)

@@ -21,6 +21,7 @@ files themselves, and their checks (`MediaSupport`) must see the files as they a
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -39,6 +40,8 @@ from align_anything.data import pipeline
 from align_anything.data.formats import DataReport
 from align_anything.data.rows import EncodedRows, RecordsView
 from align_anything.data.sources import source_files
+from align_anything.data.workers import children_die_with_this_process
+from align_anything.errors import DataError, UserError
 
 # Raise when the same inputs would encode to other rows (it is part of every key). 2: JSON-lines
 # rows are their exact JSON (`sources.row_dicts`), no longer Arrow's unified columns; a mixture
@@ -201,6 +204,22 @@ def build_entry(
     problem = verify(folder)
     if problem is None and not always:
         return json.loads((folder / MANIFEST).read_text()), None
+    try:
+        _build_entry(folder, build, always=always)
+    except UserError:
+        raise
+    except Exception as err:  # the worker pool may re-raise a worker's OSError inside another
+        failure = cache_write_error(err, folder.parent)
+        if failure is None:
+            raise
+        raise failure from None
+    return json.loads((folder / MANIFEST).read_text()), problem
+
+
+def _build_entry(
+    folder: Path, build: Callable[[Path, Path], dict[str, Any]], *, always: bool
+) -> None:
+    """Build `folder` in a temporary sibling and publish it (see `build_entry`)."""
     root = folder.parent
     root.mkdir(parents=True, exist_ok=True)
     host = os.uname().nodename
@@ -222,7 +241,6 @@ def build_entry(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return json.loads((folder / MANIFEST).read_text()), problem
 
 
 def ensure(
@@ -236,10 +254,11 @@ def ensure(
 
     def build(tmp: Path, work: Path) -> dict[str, Any]:
         start = time.perf_counter()
-        built = pipeline.build(
-            spec, tokenizer=tokenizer, media=media, model_name=model_name, work=work,
-            num_proc=num_proc, on_start=on_start,
-        )  # fmt: skip
+        with children_die_with_this_process():  # a kill -9 leaves no `datasets` worker
+            built = pipeline.build(
+                spec, tokenizer=tokenizer, media=media, model_name=model_name, work=work,
+                num_proc=num_proc, on_start=on_start,
+            )  # fmt: skip
         for name in SPLITS:
             _save(getattr(built, name), tmp / name)
         return dict(
@@ -260,6 +279,53 @@ def ensure(
         f"tokenised {manifest['tokenised']} rows in {manifest['seconds']:.1f} s "
         f"(cached at {folder}{why})"
     )
+
+
+# Errors of a folder that cannot take the cache: no room, no permission, not a folder.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+NOT_A_FOLDER = (errno.EEXIST, errno.ENOTDIR)
+
+
+def cache_write_error(err: BaseException, root: Path) -> DataError | None:
+    """The one-line error for a failure to write the data cache under `root` (the folder full,
+    read-only, or a file), naming the folder and the fix; None for an error of another kind
+    (e.g. a data file that cannot be read). A full disk is recognised by its errno alone: the
+    `datasets` worker pool re-raises it without a path."""
+    found = None
+    cause: BaseException | None = err
+    while cause is not None and found is None:
+        if isinstance(cause, OSError) and cause.errno is not None:
+            found = cause
+        cause = cause.__cause__ or cause.__context__
+    if found is None:
+        return None
+    fix = f"or set data.cache_dir to another folder (now: {root})"
+    if found.errno in NO_ROOM:
+        return DataError(
+            f"no space left on the device of the data cache {root} while preparing the data: "
+            f"free space there ({_free(root)} free now), {fix}"
+        )
+    path = Path(found.filename) if found.filename else None
+    if path is None or not (path == root or root in path.parents or path in root.parents):
+        return None
+    if found.errno in NOT_WRITABLE:
+        return DataError(
+            f"the data cache {root} cannot be written ({found.strerror}: {path}): make it "
+            f"writable, {fix}"
+        )
+    if found.errno in NOT_A_FOLDER:
+        file = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), path)
+        return DataError(
+            f"the data cache {root} cannot be created: {file} is a file, not a folder. Move "
+            f"the file away, {fix}"
+        )
+    return None
+
+
+def _free(root: Path) -> str:
+    existing = next((p for p in (root, *root.parents) if p.is_dir()), Path("/"))
+    return f"{shutil.disk_usage(existing).free / 2**20:.0f} MiB"
 
 
 def open_prepared(folder: Path, *, note: str) -> Prepared:

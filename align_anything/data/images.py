@@ -170,15 +170,22 @@ def _table(path: str) -> tuple[Any, Any, list[Path], Path]:
     folder of data files, through `sources.load_dataset`."""
     import datasets
 
-    from align_anything.data.sources import load_dataset
+    from align_anything.data.sources import JSON_LINE, columns_of, load_dataset, row_dicts
 
     dataset, _, names, files = load_dataset(path, "train")
+    local = Path(path).expanduser()
+    base = local.resolve() if local.is_dir() else local.resolve().parent
+    if JSON_LINE in dataset.column_names:
+        # JSON lines arrive as each line's text (`sources` reads them a line at a time, so an
+        # odd value is that row's problem): parse them into a table of the file's own columns.
+        import pyarrow as pa
+
+        table = pa.Table.from_pylist(row_dicts(dataset[:], columns_of(dataset)))
+        return table, names, files, base
     # Image columns `datasets` would decode into PIL images: keep their stored bytes and paths.
     for name, feature in dataset.features.items():
         if isinstance(feature, datasets.Image) and feature.decode:
             dataset = dataset.cast_column(name, datasets.Image(decode=False))
-    local = Path(path).expanduser()
-    base = local.resolve() if local.is_dir() else local.resolve().parent
     return dataset.data, names, files, base
 
 

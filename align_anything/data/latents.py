@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import xxhash
 
+from align_anything import atomic
 from align_anything.data import cache
 from align_anything.data.formats import DataReport
 from align_anything.data.images import ImageRef, ImageSource, center_crop
@@ -58,7 +59,7 @@ def _files_digest(files: Sequence[Path]) -> str:
     for path in files:
         digest.update(
             f"{path.resolve()}\0{path.stat().st_size}\0"
-            f"{cache._digest(path, xxhash.xxh3_128)}\n".encode()
+            f"{atomic.file_digest(path, xxhash.xxh3_128)}\n".encode()
         )
     return digest.hexdigest()
 

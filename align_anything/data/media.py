@@ -69,23 +69,55 @@ def _image_source(ref: Any, base_dir: Path | None) -> Any:
     if isinstance(ref, (bytes, bytearray)):
         return io.BytesIO(bytes(ref))
     if isinstance(ref, str) and ref:
-        path = _resolve(ref, base_dir)
-        if not path.is_file():
-            raise MediaUnreadable(f"image file {path} does not exist")
-        return path
+        return _existing_file(_resolve(ref, base_dir), "image")
     raise MediaUnreadable(f"image reference {describe(ref)!r} is neither a path nor bytes")
 
 
+def _existing_file(path: Path, kind: str) -> Path:
+    if path.is_dir():
+        raise MediaUnreadable(f"{kind} path {path} is a folder, not a file")
+    if not path.is_file():
+        raise MediaUnreadable(f"{kind} file {path} does not exist")
+    return path
+
+
+# How much of a JPEG's end is searched for its end-of-image marker (FF D9).
+JPEG_TAIL = 1024
+
+
+def _jpeg_is_whole(source: Any) -> bool:
+    """Whether a JPEG ends with its end-of-image marker (a cut file ends inside its data, where
+    FF D9 cannot occur: 0xFF is stuffed there). A marker followed by more than `JPEG_TAIL`
+    bytes of padding is not found here; `probe_image` then decodes the image instead."""
+    if isinstance(source, io.BytesIO):
+        tail = source.getvalue()[-JPEG_TAIL:]
+    else:
+        with open(source, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, io.SEEK_END) - JPEG_TAIL))
+            tail = handle.read()
+    return b"\xff\xd9" in tail
+
+
 def probe_image(ref: Any, base_dir: Path | None) -> tuple[int, int]:
-    """(width, height) from the image header only; raises `MediaUnreadable`."""
+    """(width, height) from the image header, after checking that the file is whole without
+    decoding it: a PNG's chunks and checksums (PIL's `verify`), a JPEG's end marker (where it
+    is missing, the image is decoded). Raises `MediaUnreadable`."""
     from PIL import Image, UnidentifiedImageError
 
     source = _image_source(ref, base_dir)
     try:
         with Image.open(source) as image:  # reads the header, not the pixels
-            return image.size
-    except (UnidentifiedImageError, OSError) as err:
+            size, kind = image.size, image.format
+            if kind == "PNG":
+                image.verify()
+        if kind == "JPEG" and not _jpeg_is_whole(source):
+            if isinstance(source, io.BytesIO):
+                source.seek(0)
+            with Image.open(source) as image:
+                image.load()
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:  # verify raises SyntaxError
         raise MediaUnreadable(f"image {describe(ref)} cannot be read: {err}") from None
+    return size
 
 
 def load_image(ref: Any, base_dir: Path | None) -> Any:
@@ -107,9 +139,7 @@ def _wav_path(ref: Any, base_dir: Path | None) -> Path:
             f"audio reference {describe(ref)!r} is neither a path nor "
             "{'array': [...], 'sampling_rate': N}"
         )
-    path = _resolve(path_value, base_dir)
-    if not path.is_file():
-        raise MediaUnreadable(f"audio file {path} does not exist")
+    path = _existing_file(_resolve(path_value, base_dir), "audio")
     if path.suffix.lower() != ".wav":
         raise MediaUnreadable(
             f"audio file {path}: only WAV files are read (no extra decoder needed); convert "

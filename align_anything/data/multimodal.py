@@ -207,8 +207,12 @@ class MediaSupport:
             if modality == "image":
                 return load_image(ref, None)
             return load_audio(ref, None, self.sampling_rate)
-        except MediaUnreadable as err:  # changed on disk since the data check
-            raise DataError(f"{err} (it was readable when the run started)") from None
+        except MediaUnreadable as err:  # changed since the data check, or damaged past its reach
+            raise DataError(
+                f"{err} (the check at start-up reads its header and, for PNG and JPEG, whether "
+                "the file is whole: it changed since, or its data is damaged in a way only "
+                "decoding shows)"
+            ) from None
 
     def _dummy_size(self, modality: str) -> Any:
         if modality == "image":

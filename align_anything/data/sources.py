@@ -6,6 +6,7 @@ message names it. `formats` turns these rows into canonical records."""
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import json
 import logging
@@ -14,7 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from align_anything.data.builtin import builtin_path
+from align_anything.data.builtin import BUILTIN_DATASETS, builtin_path
 from align_anything.errors import DataError, did_you_mean
 
 # File suffix -> `datasets` builder. Compressed JSON is decompressed by `datasets` itself.
@@ -498,6 +499,26 @@ def _missing_local(path: str, local: Path) -> DataError:
     return DataError(f"data file {local} does not exist{hint}{where}")
 
 
+# How close a name without a folder or an org must be to a built-in one to be taken for a typo
+# of it (difflib's ratio: "arith-sftt" / "arith-sft" is 0.95, "arith_sft" 0.89).
+NEAR_BUILTIN = 0.8
+
+
+def _near_builtin(path: str) -> DataError | None:
+    """The error for a name that is no file and close to a built-in name, or None. Asked before
+    any hub lookup, which retries for about 30 s before it fails."""
+    if "/" in path or "\\" in path:
+        return None
+    match = difflib.get_close_matches(path, BUILTIN_DATASETS, n=1, cutoff=NEAR_BUILTIN)
+    if not match:
+        return None
+    return DataError(
+        f"data path '{path}' is not a built-in dataset (did you mean '{match[0]}'?) nor a local "
+        f"file or folder; built-in: {', '.join(BUILTIN_DATASETS)} (a hub dataset is named "
+        "org/name)"
+    )
+
+
 def _builtin_file(path: str) -> Path | None:
     builtin = builtin_path(path)
     if builtin is not None and not builtin.is_file():
@@ -524,6 +545,8 @@ def load_dataset(path: str, split: str):
         return dataset, str(local), _row_names(files, dataset, split), files
     if _looks_local(path):
         raise _missing_local(path, local)
+    if (near := _near_builtin(path)) is not None:
+        raise near
     dataset = _load_hub(path, split)
     return dataset, path, RowNames([], len(dataset)), []
 
@@ -541,6 +564,8 @@ def source_files(path: str, split: str) -> list[Path] | None:
         return [local]
     if _looks_local(path):
         raise _missing_local(path, local)
+    if (near := _near_builtin(path)) is not None:
+        raise near
     return None
 
 

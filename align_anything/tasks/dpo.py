@@ -231,12 +231,9 @@ def build(run: Run) -> tuple[DPO, RowBatches]:
         cfg=section, policy=policy, reference=frozen, pad_id=run.model.tokenizer.pad_token_id,
         media=run.model.media, completion_only=completion_only_logits(cfg, policy),
         share_prompt=share_prompt, mask_dtype=mask_dtype(policy.module),
-        check_generation=lambda: generation.held_out_check(
-            policy=policy, tokenizer=run.model.tokenizer,
-            data_path=cfg.data.eval_path or cfg.data.path, records=run.data.eval_records,
-            samples=section.generation_check_samples,
-            max_new_tokens=section.generation_max_new_tokens, rank=run.dist.rank,
-            world=run.dist.world_size,
+        check_generation=generation.held_out_checker(
+            run, samples=section.generation_check_samples,
+            max_new_tokens=section.generation_max_new_tokens,
         ),
         reference_free=reference_free,
     )  # fmt: skip

@@ -412,12 +412,9 @@ def build(run: Run) -> tuple[KTO, RowBatches]:
         seed=cfg.train.seed, steps_per_epoch=run.schedule.steps_per_epoch,
         completion_only=completion_only_logits(cfg, policy), share_prefix=share_prefix,
         mask_dtype=mask_dtype(policy.module),
-        check_generation=lambda: generation.held_out_check(
-            policy=policy, tokenizer=run.model.tokenizer,
-            data_path=cfg.data.eval_path or cfg.data.path, records=run.data.eval_records,
-            samples=section.generation_check_samples,
-            max_new_tokens=section.generation_max_new_tokens, rank=run.dist.rank,
-            world=run.dist.world_size,
+        check_generation=generation.held_out_checker(
+            run, samples=section.generation_check_samples,
+            max_new_tokens=section.generation_max_new_tokens,
         ),
     )  # fmt: skip
     kept = task.reference

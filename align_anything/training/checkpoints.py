@@ -214,6 +214,14 @@ def check_resume(
     ]
     if not changed:
         return
+    if state.get(key := "encoder_version") != now.get(key) and any(
+        "training data" in c for c in changed
+    ):
+        changed.append(
+            f"    (the encoding itself changed: align_anything's encoder version "
+            f"{state.get(key, 1)} → {now.get(key)}; with the same files and settings the rows "
+            "differ only in how this version encodes them, and allow_mismatch=true continues)"
+        )
     if allow_mismatch:
         if warn:
             print(f"warning: resuming from {folder} although:\n" + "\n".join(changed), flush=True)

@@ -13,6 +13,7 @@ from align_anything.backend import distributed as comm
 from align_anything.backend.engine import Engine
 from align_anything.data.builtin import has_preferred_property
 from align_anything.training.batching import shard_chunks
+from align_anything.training.run import Run
 
 # Built-in datasets whose preferred property a program can check on a generated answer.
 PROPERTY_CHECKS: dict[str, Callable[[dict, str], bool]] = {
@@ -47,6 +48,20 @@ def held_out_check(
         world=world,
     )  # fmt: skip
     return {"eval/generation_check": passed}
+
+
+def held_out_checker(
+    run: Run, *, samples: int, max_new_tokens: int
+) -> Callable[[], dict[str, float]]:
+    """`held_out_check` on the run's policy, tokenizer and held-out records (what DPO and KTO
+    evaluate before and after training)."""
+    cfg = run.cfg
+    return lambda: held_out_check(
+        policy=run.policy, tokenizer=run.model.tokenizer,
+        data_path=cfg.data.eval_path or cfg.data.path, records=run.data.eval_records,
+        samples=samples, max_new_tokens=max_new_tokens, rank=run.dist.rank,
+        world=run.dist.world_size,
+    )  # fmt: skip
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
-"""Generation for online RL: the backend interface, and the one backend that runs here (HF
-`generate` on the policy).
+"""Generation for online RL: the backend interface, and the built-in backend (HF: the policy
+itself, through `decode.sample_completions` for text and `generate` for image prompts).
 
 `GenerationBackend.generate(prompts, n, sampling, seeds)` returns n completions per prompt
 (prompt i's completions are rows i·n … i·n+n−1). A completion is its token ids up to and
@@ -34,6 +34,7 @@ import torch
 
 from align_anything.data.encode import IGNORE_INDEX
 from align_anything.data.multimodal import has_media, media_inputs
+from align_anything.training.decode import row_sampler, sample_completions
 
 # Seeds of completion generators: (prompt seed, completion index) -> one 63-bit integer.
 _SEED_MIX = 1_000_003
@@ -147,7 +148,6 @@ class HFGenerate:
         self, prompts: Sequence[dict], n: int, sampling: Sampling, seeds: Sequence[int]
     ) -> Completions:
         start = time.perf_counter()
-        rows = [(p, completion_seed(seeds[i], j)) for i, p in enumerate(prompts) for j in range(n)]
         ids: list[list[int]] = []
         truncated: list[bool] = []
         with self.engine.gathered_for_generation() as module:
@@ -155,22 +155,62 @@ class HFGenerate:
             module.eval()
             stop = stop_token_ids(module, self.tokenizer)
             try:
-                for begin in range(0, len(rows), self.chunk):
-                    part = rows[begin : begin + self.chunk]
-                    out = self._generate(module, [r for r, _ in part], [s for _, s in part],
-                                         sampling, stop)  # fmt: skip
-                    for tokens in out:
-                        kept, cut = cut_at_stop(tokens, set(stop))
-                        ids.append(kept)
-                        truncated.append(cut)
+                if self.media is not None and has_media(prompts):
+                    generated = self._generate_with_media(module, prompts, n, sampling, seeds, stop)
+                else:
+                    generated = self._decode(module, prompts, n, sampling, seeds, stop)
             finally:
                 module.train(was_training)
+        for tokens in generated:
+            kept, cut = cut_at_stop(tokens, set(stop))
+            ids.append(kept)
+            truncated.append(cut)
         return Completions(ids, truncated, time.perf_counter() - start, sum(map(len, ids)))
 
     def describe(self) -> str:
         return "HF generate on the policy" + (
             ", ZeRO-3 parameters gathered once per round" if self.engine.zero_stage == 3 else ""
         )
+
+    def _decode(
+        self, module: Any, prompts: Sequence[dict], n: int, sampling: Sampling,
+        seeds: Sequence[int], stop: list[int],
+    ) -> list[list[int]]:  # fmt: skip
+        """Text prompts through `decode.sample_completions` (each prompt prefilled once, its
+        cache copied n times, finished sequences retired), `chunk` sequences at a time."""
+        per_call = max(1, self.chunk // n)
+        out: list[list[int]] = []
+        for begin in range(0, len(prompts), per_call):
+            part = prompts[begin : begin + per_call]
+            sample = None
+            if not sampling.greedy:
+                generators = [
+                    torch.Generator().manual_seed(completion_seed(seeds[begin + i], j))
+                    for i in range(len(part)) for j in range(n)
+                ]  # fmt: skip
+                sample = row_sampler(
+                    generators, temperature=sampling.temperature, top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                )  # fmt: skip
+            out += sample_completions(
+                module, [p["prompt_ids"] for p in part], n, sample=sample,
+                max_new_tokens=sampling.max_new_tokens, stop=stop,
+                pad_id=self.tokenizer.pad_token_id, device=self.engine.device,
+            )  # fmt: skip
+        return out
+
+    def _generate_with_media(
+        self, module: Any, prompts: Sequence[dict], n: int, sampling: Sampling,
+        seeds: Sequence[int], stop: list[int],
+    ) -> list[list[int]]:  # fmt: skip
+        """Image prompts through `generate` (the media enter at prefill), in chunks."""
+        rows = [(p, completion_seed(seeds[i], j)) for i, p in enumerate(prompts) for j in range(n)]
+        out: list[list[int]] = []
+        for begin in range(0, len(rows), self.chunk):
+            part = rows[begin : begin + self.chunk]
+            out += self._generate(module, [r for r, _ in part], [s for _, s in part], sampling,
+                                  stop)  # fmt: skip
+        return out
 
     def _generate(
         self, module: Any, rows: list[dict], seeds: list[int], sampling: Sampling,

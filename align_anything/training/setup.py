@@ -219,7 +219,7 @@ def build_data(
     fingerprints = checkpoints.fingerprints(
         pipeline.describe_sources(pipe.train), tokenizer=parts["tokenizer"],
         data=cache.data_fingerprint(parts),
-    )  # fmt: skip
+    ) | {"encoder_version": cache.ENCODER_VERSION}  # fmt: skip
     data = Data(
         train=prepared.train, eval=prepared.eval, eval_records=prepared.eval_records,
         reports=prepared.reports, fingerprints=fingerprints, lengths=prepared.train.lengths(),
