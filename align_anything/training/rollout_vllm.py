@@ -541,14 +541,14 @@ class VLLMServer:
             return
         start = time.perf_counter()
         failure: RolloutServerError | None = None
+        weights = self.weights()
         if self.is_main:
             try:
-                self.client.push_weights(self.weights())
+                self.client.push_weights(weights)
             except RolloutServerError as err:
                 failure = err
-        else:
-            for _ in self.weights():  # the gathers are collective under ZeRO-3
-                pass
+        for _ in weights:  # the gathers are collective under ZeRO-3: every rank goes to the end
+            pass
 
         def outcome() -> None:
             if failure is not None:
