@@ -164,6 +164,21 @@ def _kept_process_state() -> Iterator[None]:
             numpy.random.set_state(numpy_state)
 
 
+@contextlib.contextmanager
+def _serving_threads() -> Iterator[None]:
+    """torch's thread count inside the engine's calls: vLLM serves with one intra-op thread
+    unless OMP_NUM_THREADS says otherwise (its workers' OpenMP threads spin-wait after each
+    parallel region, which on a shared CPU costs more than the second thread gains); the
+    trainer's own count is back for training."""
+    threads = torch.get_num_threads()
+    wanted = int(os.environ.get("OMP_NUM_THREADS") or 1)
+    torch.set_num_threads(wanted)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 class LocalEngine:
     """A vLLM `LLM` in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): its model is an
     object here, so weights go into it in memory."""
@@ -210,10 +225,11 @@ class LocalEngine:
         from vllm import SamplingParams
 
         self.wake()
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids, _ in requests],
-            [SamplingParams(**params) for _, params in requests], use_tqdm=False,
-        )  # fmt: skip
+        with _serving_threads():
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": ids} for ids, _ in requests],
+                [SamplingParams(**params) for _, params in requests], use_tqdm=False,
+            )  # fmt: skip
         results = []
         for out in outputs:
             sample = out.outputs[0]
@@ -231,9 +247,10 @@ class LocalEngine:
 
         self.wake()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": [*p, *c]} for p, c in sequences], params, use_tqdm=False
-        )
+        with _serving_threads():
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": [*p, *c]} for p, c in sequences], params, use_tqdm=False
+            )
         return [
             [float(out.prompt_logprobs[len(p) + i][t].logprob) for i, t in enumerate(c)]
             for out, (p, c) in zip(outputs, sequences, strict=True)
