@@ -43,6 +43,9 @@ needs_vllm = pytest.mark.skipif(
     "ALIGN_ANYTHING_VLLM_PYTHON names another)",
 )
 ENGINE_START_S = 600.0  # a loaded 2-core runner has taken minutes
+# A test that starts an engine (or first uses a module fixture that does): pytest-timeout's 900 s
+# covers fixture set-up too, and the colocated checks alone took 15 min at load average 15-20.
+vllm_timeout = pytest.mark.timeout(3600)
 SMOL = "smollm2-135m-instruct"
 GRPO_VLLM = [
     "task=grpo", f"model.name_or_path={SMOL}", "train.precision=fp32", "train.seed=42",
@@ -264,6 +267,7 @@ def measured(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 @pytest.mark.slow
 @needs_vllm
+@vllm_timeout
 def test_seeds_give_one_sample(measured: dict[str, Any]) -> None:
     assert measured["same_seed_same_ids"] and measured["same_seed_same_logprobs"]
     # Completions of one prompt have their own seeds: 4 distinct samples of 24 tokens each.
@@ -273,6 +277,7 @@ def test_seeds_give_one_sample(measured: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 @needs_vllm
+@vllm_timeout
 def test_sampling_settings_reduce_to_greedy_as_they_should(measured: dict[str, Any]) -> None:
     assert measured["top_k1_is_greedy"]
     assert measured["top_p_tiny_is_greedy"]
@@ -283,6 +288,7 @@ def test_sampling_settings_reduce_to_greedy_as_they_should(measured: dict[str, A
 
 @pytest.mark.slow
 @needs_vllm
+@vllm_timeout
 def test_stop_tokens_and_truncation_flags(measured: dict[str, Any]) -> None:
     assert measured["stop_rule_held"]
     assert measured["some_ended"] > 0 and measured["some_truncated"] > 0
@@ -294,6 +300,7 @@ def test_stop_tokens_and_truncation_flags(measured: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 @needs_vllm
+@vllm_timeout
 def test_engine_logprobs_match_the_trainer_and_follow_a_step(measured: dict[str, Any]) -> None:
     assert measured["sampled_logprob_tokens"] > 50
     assert measured["sampled_logprob_max_diff"] < 2e-3
@@ -305,6 +312,7 @@ def test_engine_logprobs_match_the_trainer_and_follow_a_step(measured: dict[str,
 
 @pytest.mark.slow
 @needs_vllm
+@vllm_timeout
 def test_colocated_engine_keeps_the_trainers_threads(colocate_measured: dict[str, Any]) -> None:
     assert colocate_measured["torch_threads_kept"]
 
@@ -321,6 +329,7 @@ def _vllm_steps(run: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @needs_vllm
+@vllm_timeout
 def test_grpo_colocated(tmp_path: Path) -> None:
     """Two GRPO steps with the engine in the training process (the trainer runs in the vLLM
     environment), with truncated importance sampling on."""
@@ -339,6 +348,7 @@ def test_grpo_colocated(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @needs_vllm
+@vllm_timeout
 def test_grpo_on_the_server(server: dict, tmp_path: Path) -> None:
     """Two GRPO steps in this (the default) environment, generating on the server."""
     run = launch(
@@ -353,6 +363,7 @@ def test_grpo_on_the_server(server: dict, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @needs_vllm
+@vllm_timeout
 def test_a_server_of_another_model_is_one_error(server: dict, tmp_path: Path) -> None:
     run = launch(
         ["task=grpo", "model.name_or_path=tiny-random-llama", "train.max_steps=1",
@@ -382,6 +393,7 @@ def test_an_unreachable_server_stops_the_run_before_training(tmp_path: Path) -> 
 
 @pytest.mark.slow
 @needs_vllm
+@vllm_timeout
 def test_a_server_that_dies_mid_run_stops_before_the_update(server: dict, tmp_path: Path) -> None:
     """The server is killed after the run's first checkpoint: the run stops with one error
     naming the URL, before that step's update, and the last checkpoint is intact. Last in this

@@ -185,6 +185,9 @@ class LocalEngine:
 
     def __init__(self, settings: EngineSettings) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The engine's own one-process group (serve-rollout) listens on loopback, not on the
+        # machine's address (vLLM's default); a user's VLLM_HOST_IP wins.
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         try:
             import vllm
         except ImportError as err:
