@@ -423,3 +423,32 @@ def _complete_checkpoints(output_dir: Path) -> list[Path]:
 
     root = output_dir / "checkpoints"
     return [p for p in checkpoints.listed(root) if (p / checkpoints.MANIFEST).is_file()]
+
+
+def test_importance_weights_scale_the_grpo_and_rloo_losses() -> None:
+    """GRPO multiplies each token's loss by its weight, RLOO each completion's (on-policy:
+    ratio 1, so the loss is −A·w per token / per sequence, summed over the counted ones)."""
+    from align_anything.tasks.grpo import GRPO
+    from align_anything.tasks.online import RolloutBatch
+    from align_anything.tasks.rloo import RLOO
+
+    logps = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    advantages = torch.tensor([2.0, -1.0])
+
+    def batch(weights: Any) -> RolloutBatch:
+        return RolloutBatch(
+            rows=None, shared=None, loss_mask=mask, truncated=torch.tensor([False, False]),
+            advantages=advantages, is_weights=weights,
+        )  # fmt: skip
+
+    grpo = GRPO(load_config(["task=grpo", "grpo.loss_type=dapo"]).grpo)
+    token_w = torch.tensor([[0.5, 2.0, 9.0], [1.0, 0.25, 3.0]])
+    total, _ = grpo.loss(logps, batch(token_w))
+    # −A·w summed over counted tokens: −2·(0.5 + 2.0) + 1·(1.0 + 0.25 + 3.0) = −5 + 4.25.
+    assert float(total) == pytest.approx(-0.75)
+    plain, _ = grpo.loss(logps, batch(None))
+    assert float(plain) == pytest.approx(-2.0 * 2 + 1.0 * 3)
+    rloo = RLOO(load_config(["task=rloo"]).rloo, global_batch=2)
+    total, _ = rloo.loss(logps, batch(torch.tensor([0.5, 3.0])))
+    assert float(total) == pytest.approx(-2.0 * 0.5 + 1.0 * 3.0)
