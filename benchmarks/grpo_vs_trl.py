@@ -164,12 +164,34 @@ def run_trl(
     )  # fmt: skip
 
 
+def tolerant(name: str, run: Any) -> Any:
+    """A variant that may not run here (TRL's vLLM mode): its failure becomes a table row."""
+
+    def attempt() -> RunRecord:
+        try:
+            return run()
+        except SystemExit as err:
+            reason = str(err).strip().splitlines()
+            errors = [line for line in reason if "Error" in line or "error" in line]
+            return RunRecord(
+                variant=name, seconds=float("nan"), step_seconds=[], tokens=0,
+                peak_rss_mib=float("nan"), first_step={},
+                extra={"failed": (errors or reason or ["?"])[-1][:300]},
+            )  # fmt: skip
+
+    return attempt
+
+
 def table(records: dict[str, list[RunRecord]], steps: int) -> str:
     header = ["", "steps/s", "generation tokens/s", "training tokens/s", "generation share",
               "peak RSS MiB", "mean reward"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     figures = {}
     for name, runs in records.items():
+        failed = [r.extra["failed"] for r in runs if "failed" in r.extra]
+        if failed:
+            lines.append(f"| {name} | failed: {failed[0]} |" + " |" * (len(header) - 2))
+            continue
         figures[name] = (
             median([steps / r.seconds for r in runs]),
             median([median(r.extra["generation_tps"]) for r in runs]),
@@ -338,7 +360,9 @@ def main() -> None:
             variants["align_anything vllm"] = lambda: run_ours(
                 args, ours_file, workdir, env, vllm=True
             )
-            variants["TRL vllm"] = lambda: run_trl(args, trl_file, workdir, env, vllm=True)
+            variants["TRL vllm"] = tolerant(
+                "TRL vllm", lambda: run_trl(args, trl_file, workdir, env, vllm=True)
+            )
         if args.only:
             variants = {k: v for k, v in variants.items() if k in args.only}
         print(f"load average at the start: {os.getloadavg()}", flush=True)
