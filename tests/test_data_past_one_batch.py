@@ -182,7 +182,7 @@ def test_a_bad_value_or_a_new_column_past_the_first_json_chunk_is_one_row(tmp_pa
     first seen on line 11,500 is that row's value. (With `datasets`' builder the first made it
     JSON-encode the column from its chunk on: ~1,000 rows trained on quoted text; the second
     failed the whole file.)"""
-    from align_anything.data import load_records
+    from align_anything.data.formats import load_records
 
     rows = [{"prompt": f"question {i} {PAD}", "chosen": "yes", "rejected": "no"}
             for i in range(CHUNK_ROWS)]  # fmt: skip
@@ -209,7 +209,7 @@ def test_a_csv_value_of_another_type_past_the_first_chunk_is_one_row(tmp_path: P
     int64"). Read as text it is that row's drop, and the margins (text) still count as numbers."""
     import csv
 
-    from align_anything.data import load_records
+    from align_anything.data.formats import load_records
     from align_anything.data.formats import check_margins
 
     path = tmp_path / "rows.csv"
