@@ -524,7 +524,8 @@ class Rollouts:
                     completions.logprobs[m * micro : (m + 1) * micro], batch.loss_mask
                 ).to(batch.loss_mask.device)
             self.no_grad_passes(batch)
-        sampling_figures = self.engine_mismatch(batches) if completions.logprobs else {}
+        # Collective: every rank has prompts in a training round, and the same backend.
+        sampling_figures = self.engine_mismatch(batches) if completions.logprobs is not None else {}
         texts = task.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
         sample_rows = [self.rows[s["row"]] for s in samples]
         total, per_function = task.rewards.score(
