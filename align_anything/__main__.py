@@ -22,6 +22,10 @@ COMMANDS = {
         "align_anything.tools.serve_reward",
         "serve a reward model over HTTP for reward.remote.urls",
     ),
+    "serve-rollout": (
+        "align_anything.tools.serve_rollout",
+        "serve a vLLM engine for rollout.backend=vllm, rollout.vllm.mode=server",
+    ),
     "plot": ("align_anything.tools.plot", "metrics.jsonl -> metrics.png"),
     "presets": (
         "align_anything.tools.presets",

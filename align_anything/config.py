@@ -608,6 +608,82 @@ class RewardSection(_Section):
         return [1.0] * self.count() if self.weights is None else list(self.weights)
 
 
+class VLLMSection(_Section):
+    """The vLLM engine of `rollout.backend=vllm` (`align_anything.training.rollout_vllm`)."""
+
+    mode: Literal["colocate", "server"] = Field(
+        description="colocate: the engine lives in each training process and gets the new weights in memory after every optimizer step (the environment needs vLLM: `make vllm`); server: a separate `python -m align_anything serve-rollout MODEL --port N` (any environment, e.g. .venv-vllm) gets the weights and prompts over HTTP.",
+    )
+    server_url: str = Field(
+        description="mode=server: the serve-rollout server, http://HOST:PORT (the same model architecture as model.name_or_path).",
+    )
+    server_timeout_s: float = Field(
+        gt=0,
+        description="mode=server: seconds to wait for one answer (a weight upload or a generation round; on a CPU a round takes minutes).",
+    )
+    kv_cache_gib: float | None = Field(
+        gt=0,
+        description="Memory of the engine's KV cache in GiB (on a CPU always set: vLLM reserves it up front); null: gpu_memory_utilization decides (GPU).",
+    )
+    gpu_memory_utilization: float = Field(
+        gt=0.0,
+        le=1.0,
+        description="mode=colocate on a GPU with kv_cache_gib null: the share of device memory the engine may take (TRL's vllm_gpu_memory_utilization).",
+    )
+    enforce_eager: bool = Field(
+        description="No CUDA graphs / torch.compile in the engine (starts faster; on a CPU vLLM runs eagerly anyway)."
+    )
+
+    @field_validator("server_url")
+    @classmethod
+    def _host_and_port(cls, url: str) -> str:
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(url)
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(
+                "the URL carries credentials (user:password@), which the saved config would "
+                "keep: remove them"
+            )
+        if parts.scheme not in ("http", "https") or not parts.hostname or not parts.port:
+            raise ValueError(
+                "not http://HOST:PORT (the port serve-rollout listens on), e.g. "
+                "http://127.0.0.1:8000"
+            )
+        return url
+
+    sleep: bool = Field(
+        description="mode=colocate: put the engine to sleep (its KV cache freed) while the trainer computes, and wake it for each round, where the platform supports it (GPUs; not CPUs, where this is a no-op the start-up summary names).",
+    )
+
+
+class RolloutSection(_Section):
+    """Online RL: which engine generates the completions. The loss always uses log-probs the
+    trainer recomputes; the engine's own are compared with them every step."""
+
+    backend: Literal["hf", "vllm"] = Field(
+        description="hf: `generate` on the policy itself (needs nothing extra); vllm: a vLLM engine (rollout.vllm), colocated or a server.",
+    )
+    vllm: VLLMSection = Field(description="The vLLM engine (rollout.backend=vllm).")
+    importance_sampling: bool = Field(
+        description="rollout.backend=vllm: weigh each token's loss (GRPO, PPO; each completion's for RLOO) by min(pi_trainer / pi_engine, importance_sampling_cap), the truncated importance-sampling correction of the engine/trainer mismatch (TRL's vllm_importance_sampling_correction with token_truncate, verl's rollout_is).",
+    )
+    importance_sampling_cap: float = Field(
+        ge=1.0,
+        description="Upper bound C of the importance weight (TRL's vllm_importance_sampling_clip_max).",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutSection:
+        if self.importance_sampling and self.backend != "vllm":
+            raise ValueError(
+                "rollout.importance_sampling=true corrects the mismatch between an inference "
+                "engine's log-probs and the trainer's, but rollout.backend=hf samples from the "
+                "trained weights themselves: set rollout.backend=vllm, or importance_sampling=false"
+            )
+        return self
+
+
 class _OnlineRL(_Section):
     """What GRPO and RLOO share: generation and the clipped ratio (TRL's names)."""
 
@@ -620,6 +696,10 @@ class _OnlineRL(_Section):
         gt=0.0,
         le=1.0,
         description="Nucleus sampling: the smallest token set with this probability mass.",
+    )
+    top_k: int = Field(
+        ge=0,
+        description="Sample among the k most likely tokens only (applied before top_p, as both backends do); 0: no cut (TRL's top_k).",
     )
     max_completion_length: int = Field(
         ge=1,
@@ -748,6 +828,10 @@ class PPOSection(_Section):
     temperature: float = Field(gt=0.0, description="Sampling temperature of the rollouts.")
     top_p: float = Field(
         gt=0.0, le=1.0, description="Nucleus sampling of the rollouts (1: no cut)."
+    )
+    top_k: int = Field(
+        ge=0,
+        description="Sample among the k most likely tokens only (applied before top_p, as both backends do); 0: no cut.",
     )
     max_completion_length: int = Field(
         ge=1, description="Token limit of a completion (generation stops there or at EOS)."
@@ -923,6 +1007,7 @@ class RunConfig(_Section):
     diffusion_dpo: DiffusionDPOSection | None = None
     # Online RL only (set in task/grpo.yaml, task/rloo.yaml and task/ppo.yaml).
     reward: RewardSection | None = None
+    rollout: RolloutSection | None = None
 
     @field_validator("resume", mode="before")
     @classmethod
@@ -1193,7 +1278,10 @@ def _format_validation_error(err: ValidationError, raw: dict[str, Any]) -> list[
 
 # Keys whose given values an error never repeats: a URL may carry credentials, and a token
 # given where its variable's name belongs is a token.
-_UNSHOWN_VALUES = (["reward", "remote", "urls"], ["reward", "remote", "headers_env"])
+_UNSHOWN_VALUES = (
+    ["reward", "remote", "urls"], ["reward", "remote", "headers_env"],
+    ["rollout", "vllm", "server_url"], ["rollout"],  # a section-level error shows the URL too
+)  # fmt: skip
 
 _UNION_TAG = re.compile(
     r"^(int|str|float|bool|none)$|^(literal|list|dict|tuple|set|function-[a-z]+)\["
@@ -1218,6 +1306,8 @@ def _section_model(annotation: Any, name: str) -> type[BaseModel] | None:
         return TASK_SECTIONS[name]
     if name == "reward":
         return RewardSection
+    if name == "rollout":
+        return RolloutSection
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     # `str | list[DataSource]`: the section model inside a union or a list.
@@ -1322,6 +1412,13 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
                 f"task is '{task}': remove the reward.* keys"
             )
         raw.pop("reward")
+    if task not in ONLINE_TASKS and raw.get("rollout") is not None:
+        if task_known:
+            problems.append(
+                f"rollout.*: the rollout section is for online RL (task={' or task='.join(ONLINE_TASKS)}); "
+                f"task is '{task}': remove the rollout.* keys"
+            )
+        raw.pop("rollout")
     preset_spec = str(raw.get("deepspeed", "z0"))
     try:
         # auto: the trainer picks a preset once it knows the model and world size (plan.py);

@@ -171,7 +171,12 @@ def supports_logits_to_keep(module: torch.nn.Module) -> bool:
     argument through to its base model."""
     if lora.is_peft_model(module):
         module = module.get_base_model()
-    return "logits_to_keep" in inspect.signature(module.forward).parameters
+    # Boolean masks came with `slice_logits_to_keep` (transformers 5.2x); before it a mask
+    # indexes the wrong dimension (e.g. in the vLLM environment, which pins transformers < 5.20).
+    import transformers.modeling_utils
+
+    masks = hasattr(transformers.modeling_utils, "slice_logits_to_keep")
+    return masks and "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
 def sequence_logps(model: Any, layout: Layout, *, completion_only: bool) -> tuple[Tensor, Tensor]:

@@ -16,6 +16,13 @@ rewards and the lengths, differ: the table reports steps/s, and generation and t
 tokens/s separately (generation: completion tokens / seconds inside generate; training:
 prompt + completion tokens / the rest of the step).
 
+With `--vllm` (the vLLM environment, `make vllm`, must exist: .venv-vllm): two more variants
+on the same work, both run by that environment's interpreter: align_anything with
+`rollout.backend=vllm` (colocated: the engine in the training process, weights synced in
+memory every step) and TRL with `use_vllm=True, vllm_mode="colocate"`. Generation seconds
+include each side's weight sync (TRL times it inside `_generate_single_turn` too). The machine
+is shared: the load average is printed beside the figures.
+
 Agreement (`--agreement-only` runs just this): one fixed set of completions (two prompts × four
 hand-written answers, right and wrong) scored once through TRL's own code
 (`GRPOTrainer._get_per_token_logps_and_entropies` and `compute_loss`) and once through
@@ -104,16 +111,23 @@ def trl_spec(args: argparse.Namespace, rows_path: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_ours(args: argparse.Namespace, data: Path, workdir: Path, env: dict) -> RunRecord:
+VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+def run_ours(
+    args: argparse.Namespace, data: Path, workdir: Path, env: dict, *, vllm: bool = False
+) -> RunRecord:
     out = Path(tempfile.mkdtemp(prefix="ours-", dir=workdir))
-    command = [sys.executable, "-m", "align_anything.train", *ours_overrides(args, data),
+    python = str(VLLM_PYTHON) if vllm else sys.executable
+    backend = ["rollout.backend=vllm", "rollout.vllm.kv_cache_gib=0.5"] if vllm else []
+    command = [python, "-m", "align_anything.train", *ours_overrides(args, data), *backend,
                f"output_dir={out}"]  # fmt: skip
     rss = run_child(command, env=env, log=out / "run.log")
     steps = [m for m in read_jsonl(out / "metrics.jsonl") if "phase" not in m]
     elapsed = [0.0] + [float(m["elapsed_seconds"]) for m in steps]
     seconds = [b - a for a, b in zip(elapsed, elapsed[1:], strict=False)]
     return RunRecord(
-        variant="align_anything", seconds=sum(seconds), step_seconds=seconds, tokens=0,
+        variant="align_anything vllm" if vllm else "align_anything", seconds=sum(seconds), step_seconds=seconds, tokens=0,
         peak_rss_mib=rss, first_step=steps[0], steps=steps,
         extra={
             "generation_tps": [m["generation/tokens_per_second"] for m in steps],
@@ -124,16 +138,21 @@ def run_ours(args: argparse.Namespace, data: Path, workdir: Path, env: dict) -> 
     )  # fmt: skip
 
 
-def run_trl(args: argparse.Namespace, rows_path: Path, workdir: Path, env: dict) -> RunRecord:
+def run_trl(
+    args: argparse.Namespace, rows_path: Path, workdir: Path, env: dict, *, vllm: bool = False
+) -> RunRecord:
     out = Path(tempfile.mkdtemp(prefix="trl-", dir=workdir))
     spec_path = out / "spec.json"
-    spec_path.write_text(json.dumps({**trl_spec(args, rows_path), "output_dir": str(out)}))
-    rss = run_child([sys.executable, str(TRL_CHILD), str(spec_path)], env=env, log=out / "run.log")
+    spec = {**trl_spec(args, rows_path), "output_dir": str(out), "use_vllm": vllm}
+    spec_path.write_text(json.dumps(spec))
+    python = str(VLLM_PYTHON) if vllm else sys.executable
+    rss = run_child([python, str(TRL_CHILD), str(spec_path)], env=env, log=out / "run.log")
     result = json.loads((out / "result.json").read_text())
     seconds = result["step_seconds"]
     generation = result["generation"]  # one generate call per step: [seconds, completion, all]
     return RunRecord(
-        variant="TRL", seconds=sum(seconds), step_seconds=seconds, tokens=0, peak_rss_mib=rss,
+        variant="TRL vllm" if vllm else "TRL", seconds=sum(seconds), step_seconds=seconds,
+        tokens=0, peak_rss_mib=rss,
         first_step=result["logs"][0], steps=result["logs"],
         extra={
             "generation_tps": [c / g for g, c, _ in generation],
@@ -145,12 +164,34 @@ def run_trl(args: argparse.Namespace, rows_path: Path, workdir: Path, env: dict)
     )  # fmt: skip
 
 
+def tolerant(name: str, run: Any) -> Any:
+    """A variant that may not run here (TRL's vLLM mode): its failure becomes a table row."""
+
+    def attempt() -> RunRecord:
+        try:
+            return run()
+        except SystemExit as err:
+            reason = str(err).strip().splitlines()
+            errors = [line for line in reason if "Error" in line or "error" in line]
+            return RunRecord(
+                variant=name, seconds=float("nan"), step_seconds=[], tokens=0,
+                peak_rss_mib=float("nan"), first_step={},
+                extra={"failed": (errors or reason or ["?"])[-1][:300]},
+            )  # fmt: skip
+
+    return attempt
+
+
 def table(records: dict[str, list[RunRecord]], steps: int) -> str:
     header = ["", "steps/s", "generation tokens/s", "training tokens/s", "generation share",
               "peak RSS MiB", "mean reward"]  # fmt: skip
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     figures = {}
     for name, runs in records.items():
+        failed = [r.extra["failed"] for r in runs if "failed" in r.extra]
+        if failed:
+            lines.append(f"| {name} | failed: {failed[0]} |" + " |" * (len(header) - 2))
+            continue
         figures[name] = (
             median([steps / r.seconds for r in runs]),
             median([median(r.extra["generation_tps"]) for r in runs]),
@@ -162,10 +203,13 @@ def table(records: dict[str, list[RunRecord]], steps: int) -> str:
         f = figures[name]
         lines.append(f"| {name} | {f[0]:.4f} | {f[1]:.1f} | {f[2]:.1f} | {f[3]:.0%} | {f[4]:.0f} "
                      f"| {f[5]:.3f} |")  # fmt: skip
-    if len(figures) == 2:
-        a, b = figures["align_anything"], figures["TRL"]
-        lines.append(f"| ours/TRL | {a[0] / b[0]:.2f}× | {a[1] / b[1]:.2f}× | {a[2] / b[2]:.2f}× "
-                     f"| | {a[4] / b[4]:.2f} | |")  # fmt: skip
+    pairs = [
+        (a, b) for a in figures for b in figures if a.startswith("align") and b.startswith("TRL")
+    ]
+    for a_name, b_name in pairs:
+        a, b = figures[a_name], figures[b_name]
+        lines.append(f"| {a_name} / {b_name} | {a[0] / b[0]:.2f}× | {a[1] / b[1]:.2f}× "
+                     f"| {a[2] / b[2]:.2f}× | | {a[4] / b[4]:.2f} | |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -291,6 +335,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per side")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per run")
     parser.add_argument("--agreement-only", action="store_true")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also both sides with vLLM colocated (needs .venv-vllm)")  # fmt: skip
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="variants to run (align_anything, TRL, 'align_anything vllm', 'TRL vllm')")  # fmt: skip
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="aa-bench-grpo-"))
     env = child_env(args.threads)
@@ -302,11 +350,23 @@ def main() -> None:
         write_jsonl(ours_file, rows)
         write_jsonl(trl_file, [rows[i] for i in order])
         start = time.perf_counter()
-        records = interleave(
-            {"align_anything": lambda: run_ours(args, ours_file, workdir, env),
-             "TRL": lambda: run_trl(args, trl_file, workdir, env)},
-            args.repeats,
-        )  # fmt: skip
+        variants = {
+            "align_anything": lambda: run_ours(args, ours_file, workdir, env),
+            "TRL": lambda: run_trl(args, trl_file, workdir, env),
+        }
+        if args.vllm:
+            if not VLLM_PYTHON.is_file():
+                raise SystemExit(f"--vllm: no vLLM environment at {VLLM_PYTHON} (`make vllm`)")
+            variants["align_anything vllm"] = lambda: run_ours(
+                args, ours_file, workdir, env, vllm=True
+            )
+            variants["TRL vllm"] = tolerant(
+                "TRL vllm", lambda: run_trl(args, trl_file, workdir, env, vllm=True)
+            )
+        if args.only:
+            variants = {k: v for k, v in variants.items() if k in args.only}
+        print(f"load average at the start: {os.getloadavg()}", flush=True)
+        records = interleave(variants, args.repeats)
         print(f"\nload average at the end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s")
         print(f"{args.model}, {args.steps} steps × {args.prompts} prompts × G={args.num_generations}, "
               f"max_completion_length {args.max_completion_length}, dapo, beta 0")  # fmt: skip

@@ -187,6 +187,16 @@ def arith_exact_reward(prompts: list, completions: list, answer: list, **kwargs:
     return arith_exact(prompts, texts, answer)
 
 
+def vllm_args(spec: dict[str, Any]) -> dict[str, Any]:
+    """TRL's vLLM colocate mode when the spec asks (grpo_vs_trl.py --vllm), else HF generate."""
+    if not spec.get("use_vllm"):
+        return {"use_vllm": False}
+    return {
+        "use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1,
+        "vllm_max_model_length": spec["max_length"], "vllm_enable_sleep_mode": False,
+    }  # fmt: skip
+
+
 def grpo_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, dataset: Any,
                  timer: StepTimer) -> tuple[Any, list[list[int]]]:  # fmt: skip
     """TRL's GRPOTrainer (HF generate, no vLLM) on the rows in the given order (no shuffling),
@@ -199,8 +209,8 @@ def grpo_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, dataset: Any,
         **args, num_generations=spec["num_generations"],
         max_completion_length=spec["max_completion_length"], temperature=spec["temperature"],
         top_p=spec["top_p"], top_k=0, loss_type=spec["loss_type"], beta=spec["beta"],
-        epsilon=spec["epsilon"], scale_rewards="group", shuffle_dataset=False, use_vllm=False,
-        num_iterations=1, log_completions=False,
+        epsilon=spec["epsilon"], scale_rewards="group", shuffle_dataset=False,
+        num_iterations=1, log_completions=False, **vllm_args(spec),
     )  # fmt: skip
     generate = GRPOTrainer._generate_single_turn
     timings: list[list[float]] = []

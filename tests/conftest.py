@@ -166,6 +166,7 @@ def spawn(
     extra_env: dict[str, str] | None = None,
     module: str = "align_anything.train",
     wrap: list[str] | None = None,
+    python: str | None = None,
 ) -> subprocess.Popen:
     """Start `align_anything.train` with `overrides` (plus `output_dir=...`) in the background.
 
@@ -174,7 +175,8 @@ def spawn(
     The launcher and every rank form one new process group (`_kill_group` ends all of them);
     stdout and stderr are one text pipe. `module` replaces the entry point (a test's wrapper
     that patches something, then calls `align_anything.train.main`); `wrap` is a command that
-    runs the launch command given as its last arguments (e.g. in its own mount namespace).
+    runs the launch command given as its last arguments (e.g. in its own mount namespace);
+    `python` another interpreter for launcher "python" (e.g. the vLLM environment's).
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
@@ -183,7 +185,7 @@ def spawn(
     if launcher == "python":
         if nproc != 1:
             raise ValueError("launcher='python' starts exactly one process")
-        command = [sys.executable, "-m", *module_args]
+        command = [python or sys.executable, "-m", *module_args]
     elif launcher == "deepspeed":
         command = [
             str(BIN_DIR / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
@@ -258,6 +260,7 @@ def launch(
     extra_env: dict[str, str] | None = None,
     module: str = "align_anything.train",
     wrap: list[str] | None = None,
+    python: str | None = None,
 ) -> RunResult:
     """Run `align_anything.train` (see `spawn`) and wait for it. On timeout the whole process
     group (launcher and ranks) is killed and the test fails with the output tail. Returns even
@@ -265,7 +268,7 @@ def launch(
     """
     proc = spawn(
         overrides, output_dir, launcher=launcher, nproc=nproc, extra_env=extra_env, module=module,
-        wrap=wrap,
+        wrap=wrap, python=python,
     )  # fmt: skip
     return finish(proc, output_dir, timeout_s=timeout_s)
 

@@ -141,7 +141,7 @@ def test_grpo_two_ranks_zero3_and_accumulation_equal_one_rank(
     single = grpo_runs["single"].check()
     z3 = grpo_runs["z3-2ranks"].check()
     assert z3.zero_stage() == 3
-    assert "gathered once per round" in z3.summary_line("generation")
+    assert "gathered once per round" in z3.summary_line("generator")
     _same_steps(z3, single)
     _same_steps(grpo_runs["accum-plain"].check(), single)
     # Held-out greedy answers: the same prompts' mean reward whatever the split.

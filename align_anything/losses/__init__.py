@@ -65,6 +65,8 @@ _EXPORTS: dict[str, str] = {
     "rloo_per_sequence_loss": "rl",
     "rloo_reward_with_kl": "rl",
     "rloo_sequence_kl": "rl",
+    "logp_mismatch": "rl",
+    "truncated_importance_weights": "rl",
     "ADVANTAGE_ESTIMATORS": "ppo",
     "WHITEN_EPS": "ppo",
     "PolicyStats": "ppo",

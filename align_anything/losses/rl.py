@@ -331,3 +331,49 @@ def rloo_per_sequence_loss(
         torch.exp(logps - old_logps), advantages, epsilon_low, epsilon_high
     )
     return loss, ClipStats(None, low, high, torch.maximum(low, high))
+
+
+def truncated_importance_weights(
+    trainer_logps: Tensor, engine_logps: Tensor, mask: Tensor, *, cap: float,
+    level: Literal["token", "sequence"],
+) -> Tensor:  # fmt: skip
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"), the correction of the mismatch between the
+    inference engine that sampled the completions and the trainer that recomputes their
+    log-probs, as TRL 1.16's `vllm_importance_sampling_correction` (modes `token_truncate` /
+    `sequence_truncate`, `vllm_importance_sampling_clip_max` = `cap`, no lower bound) and verl's
+    `rollout_is` with truncation:
+
+        token:     w_t = min(exp(log π_trainer(y_t) − log π_engine(y_t)), C)         [B, T]
+        sequence:  w   = min(exp(Σ_t m_t·(log π_trainer − log π_engine)), C)        [B]
+
+    `trainer_logps` are the trainer's log-probs when the round was generated (the old policy of
+    the ratio), `engine_logps` the engine's of the same tokens; both [B, T], `mask` 1 on the
+    completion tokens that count. Multiply the per-token (GRPO) or per-sequence (RLOO) loss by
+    the weights; masked tokens get weight 1 (they contribute nothing either way). Detached.
+    """
+    if trainer_logps.shape != engine_logps.shape or trainer_logps.shape != mask.shape:
+        raise ValueError(
+            f"trainer_logps {tuple(trainer_logps.shape)}, engine_logps "
+            f"{tuple(engine_logps.shape)} and mask {tuple(mask.shape)} must share one [B, T] shape"
+        )
+    if cap < 1.0:
+        raise ValueError(f"cap must be >= 1 (a weight of 1 is no correction), got {cap}")
+    delta = (trainer_logps - engine_logps).detach() * mask
+    if level == "token":
+        return torch.exp(delta).clamp(max=cap)
+    if level == "sequence":
+        return torch.exp(delta.sum(-1)).clamp(max=cap)
+    raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+
+
+def logp_mismatch(
+    trainer_logps: Tensor, engine_logps: Tensor, mask: Tensor
+) -> tuple[float, float, float]:
+    """(Σ |log π_trainer − log π_engine| over the masked tokens, their count, the largest
+    |difference|; 0 without tokens): sums to reduce over micro-batches and ranks, TRL's
+    `sampling/sampling_logp_difference/mean|max`."""
+    delta = (trainer_logps - engine_logps).abs()[mask.bool()]
+    if delta.numel() == 0:
+        return 0.0, 0.0, 0.0
+    return float(delta.sum()), float(delta.numel()), float(delta.max())

@@ -29,6 +29,7 @@ class GRPO(online.SequenceAdvantages):
 
     rl: Any  # the grpo section
     name: str = "grpo"
+    importance_level: str = "token"  # rollout.importance_sampling weighs each token's loss
 
     def rewards_for_advantages(
         self, rewards: list[float], batches: list[online.RolloutBatch]
@@ -52,6 +53,8 @@ class GRPO(online.SequenceAdvantages):
             logps, logps.detach() if old is None else old, batch.advantages,
             epsilon_low=low, epsilon_high=high, ref_logps=batch.ref_logps, beta=rl.beta,
         )  # fmt: skip
+        if batch.is_weights is not None:  # rollout.importance_sampling: TRL applies it here too
+            per_token = per_token * batch.is_weights
         mask = batch.loss_mask
         total = loss_sum(
             per_token, mask, loss_type=rl.loss_type, max_completion_length=rl.max_completion_length

@@ -72,12 +72,23 @@ from align_anything.data.media import MEDIA_KEYS
 from align_anything.data.multimodal import MediaSupport
 from align_anything.errors import ConfigError, UserError
 from align_anything.forward import sequence_token_logps, sequence_token_logps_and_entropy
-from align_anything.losses import group_reward_std, nanstd
+from align_anything.losses import (
+    group_reward_std,
+    logp_mismatch,
+    nanstd,
+    truncated_importance_weights,
+)
 from align_anything.rewards_remote import remote_reward_functions
 from align_anything.training import checkpoints, generation, reference
 from align_anything.training.batching import step_indices
 from align_anything.training.reward_model import RewardModel
-from align_anything.training.rollout import Completions, HFGenerate, Sampling
+from align_anything.training.rollout import (
+    Completions,
+    GenerationBackend,
+    HFGenerate,
+    Sampling,
+    stop_token_ids,
+)
 from align_anything.training.run import Data, ModelSide, Run, Schedule
 from align_anything.training.setup import completion_only_logits, fresh_model_loader
 from align_anything.training.task import LossOutput, StepBatches
@@ -185,7 +196,7 @@ def schedule(cfg: RunConfig, data: Data, batch: Any) -> Schedule:
 
 # What a round attaches to its completions, per token ([B, C]) or per completion ([B]): kept
 # per completion when a round is re-cut into mini-batches or saved in a checkpoint.
-ATTACHED = ("advantages", "old_logps", "ref_logps", "values", "returns")
+ATTACHED = ("advantages", "old_logps", "ref_logps", "values", "returns", "is_weights")
 
 
 @dataclass
@@ -195,8 +206,10 @@ class RolloutBatch:
     the loss mask [B, C] over completion tokens (none of a truncated one when masked), each
     completion's length, and what the round attached (`ATTACHED`): advantages (per completion
     or per token), the old policy's and the reference's per-token log-probs, a critic's values
-    and returns; the old policy's entropy (logged). Per step: whether the policy trains on it
-    (not in PPO's critic-only warm-up), and PPO's ptx rows with their normaliser."""
+    and returns; the old policy's entropy (logged); with an inference engine its log-probs of
+    the sampled tokens, the trainer's at generation time, and the truncated importance weights
+    when corrected. Per step: whether the policy trains on it (not in PPO's critic-only
+    warm-up), and PPO's ptx rows with their normaliser."""
 
     rows: Rows
     shared: SharedPrefix | None
@@ -212,6 +225,9 @@ class RolloutBatch:
     train_policy: bool = True
     ptx: Any = None
     ptx_normalizer: float = 1.0
+    engine_logps: Tensor | None = None
+    trainer_logps: Tensor | None = None
+    is_weights: Tensor | None = None
 
     @property
     def layout(self) -> Rows | SharedPrefix:
@@ -378,13 +394,13 @@ class Rewards:
         return result
 
 
-def failed_reward(error: str, step: int | None, good: Any) -> str:
-    """The message of a failed reward: where (held-out evaluation, or which step, before its
-    update) and the last complete checkpoint."""
+def failed_reward(error: str, step: int | None, good: Any, *, what: str = "reward") -> str:
+    """The message of a failed reward (or generation): where (held-out evaluation, or which
+    step, before its update) and the last complete checkpoint."""
     if step is None:
-        return f"reward in the held-out evaluation failed: {error}"
+        return f"{what} in the held-out evaluation failed: {error}"
     return (
-        f"reward in step {step + 1} failed, before that step's optimizer update: {error}"
+        f"{what} in step {step + 1} failed, before that step's optimizer update: {error}"
         + (f"\nThe last complete checkpoint, {good}, is intact (resume=auto)." if good
            else "\nNo checkpoint was written by this run yet.")
     )  # fmt: skip
@@ -401,7 +417,7 @@ class OnlineRL:
     algorithm: Algorithm
     rl: Any  # the task's config section
     policy: Any
-    generator: HFGenerate
+    generator: GenerationBackend
     rewards: Rewards
     tokenizer: Any
     media: MediaSupport | None
@@ -627,6 +643,7 @@ class Rollouts:
         self.current: Round | None = None
         # A checkpoint written inside a round holds it: the first step continues that round.
         self.resume_dir = run.output.resume_dir
+        self.importance = run.cfg.rollout  # truncated importance sampling (rollout.*)
 
     def step(self, step: int) -> StepBatches:
         round_index, within = divmod(step, self.sizes.steps_per_round)
@@ -701,14 +718,20 @@ class Rollouts:
     @torch.no_grad()
     def no_grad_passes(self, batch: RolloutBatch) -> None:
         task, algorithm = self.task, self.task.algorithm
-        if algorithm.needs_old_logps():
+        old = algorithm.needs_old_logps()
+        if old or batch.engine_logps is not None:
             task.policy.eval()
             if algorithm.logs_entropy:
                 logps, entropy = task.token_logps_and_entropy(task.policy, batch)
-                batch.old_logps, batch.entropy = logps.detach(), entropy
+                batch.entropy = entropy
             else:
-                batch.old_logps = task.token_logps(task.policy, batch).detach()
+                logps = task.token_logps(task.policy, batch)
+            logps = logps.detach()
             task.policy.train()
+            batch.old_logps = logps if old else None
+            # An engine sampled the tokens: the trainer's log-probs at generation time, to
+            # compare (and, with rollout.importance_sampling, correct) the engine's against.
+            batch.trainer_logps = logps if batch.engine_logps is not None else None
         if self.reference is not None:
             batch.ref_logps = task.token_logps(self.reference, batch).detach()
         algorithm.extra_passes(batch)
@@ -720,20 +743,32 @@ class Rollouts:
         prompt_rows = self.round_prompts(round_index)
         prompts = [self.rows[i] for i in prompt_rows]
         seeds = [prompt_seed(self.seed, round_index, i) for i in prompt_rows]
-        sampling = Sampling(rl.max_completion_length, temperature=rl.temperature, top_p=rl.top_p)
-        completions = task.generator.generate(prompts, rl.num_generations, sampling, seeds)
+        sampling = Sampling(
+            rl.max_completion_length, temperature=rl.temperature, top_p=rl.top_p, top_k=rl.top_k
+        )
+        good = lambda: checkpoints.last_complete(*self.checkpoints)  # noqa: E731
+        try:
+            completions = task.generator.generate(prompts, rl.num_generations, sampling, seeds)
+        except UserError as err:  # a rollout server that failed: before this step's update
+            raise UserError(failed_reward(str(err), step, good(), what="generation")) from None
         samples = self.samples(prompt_rows, completions)
         batches = [
             to_device(task.collate(samples[m : m + micro]), self.device)
             for m in range(0, len(samples), micro)
         ]
-        for batch in batches:
+        for m, batch in enumerate(batches):
+            if completions.logprobs is not None:
+                batch.engine_logps = engine_logps(
+                    completions.logprobs[m * micro : (m + 1) * micro], batch.loss_mask
+                ).to(batch.loss_mask.device)
             self.no_grad_passes(batch)
+        # Collective: every rank has prompts in a training round, and the same backend.
+        sampling_figures = self.engine_mismatch(batches) if completions.logprobs is not None else {}
         texts = task.tokenizer.batch_decode(completions.ids, skip_special_tokens=True)
         sample_rows = [self.rows[s["row"]] for s in samples]
         total, per_function = task.rewards.score(
             sample_rows, texts, row_ids=[r["source_row"] for r in sample_rows], step=step,
-            good_checkpoint=lambda: checkpoints.last_complete(*self.checkpoints),
+            good_checkpoint=good,
         )  # fmt: skip
         local, extra = task.algorithm.rewards_for_advantages(total, batches)
         gathered = torch.tensor(
@@ -746,6 +781,7 @@ class Rollouts:
             round_metrics(total, per_function, completions, group=rl.num_generations)
             | advantage_metrics
             | extra
+            | sampling_figures
         )
         if metrics["frac_reward_none"] == 1.0 and self.rank == 0:
             print(
@@ -844,6 +880,50 @@ class Rollouts:
         rows = [r["row"] for r in mine]
         return Round(round_index, self.micro_batches(mine), meta["metrics"], 0.0, rows=rows)
 
+    def engine_mismatch(self, batches: list[RolloutBatch]) -> dict[str, float]:
+        """TRL's `sampling/sampling_logp_difference/mean|max` (|engine − trainer| log-prob
+        over the round's counted tokens, all ranks) and, with rollout.importance_sampling, the
+        truncated importance weights each batch's loss is multiplied by and their
+        `sampling/importance_sampling_ratio/min|mean|max`. Collective."""
+        level = getattr(self.task.algorithm, "importance_level", "token")
+        diffs, weights = [], []
+        for batch in batches:
+            assert batch.trainer_logps is not None and batch.engine_logps is not None
+            diffs.append(logp_mismatch(batch.trainer_logps, batch.engine_logps, batch.loss_mask))
+            if self.importance.importance_sampling:
+                batch.is_weights = truncated_importance_weights(
+                    batch.trainer_logps, batch.engine_logps, batch.loss_mask,
+                    cap=self.importance.importance_sampling_cap, level=level,
+                )  # fmt: skip
+                counted = batch.loss_mask.bool() if level == "token" else batch.loss_mask.any(-1)
+                w = batch.is_weights[counted]
+                if w.numel():
+                    weights.append((float(w.min()), float(w.sum()), w.numel(), float(w.max())))
+        ranks = comm.all_gather_objects((diffs, weights))
+        diffs = [d for rank in ranks for d in rank[0]]
+        weights = [w for rank in ranks for w in rank[1]]
+        figures = {
+            "sampling/sampling_logp_difference/mean": sum(d[0] for d in diffs)
+            / max(sum(d[1] for d in diffs), 1.0),
+            "sampling/sampling_logp_difference/max": max((d[2] for d in diffs), default=0.0),
+        }
+        if weights:
+            figures["sampling/importance_sampling_ratio/min"] = min(w[0] for w in weights)
+            figures["sampling/importance_sampling_ratio/mean"] = sum(w[1] for w in weights) / sum(
+                w[2] for w in weights
+            )
+            figures["sampling/importance_sampling_ratio/max"] = max(w[3] for w in weights)
+        return figures
+
+
+def engine_logps(logprobs: list[list[float]], mask: Tensor) -> Tensor:
+    """[B, C] the engine's log-probs of a micro-batch's completion tokens (0 past each end),
+    aligned with the loss mask and the trainer's per-token log-probs."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for b, values in enumerate(logprobs):
+        out[b, : len(values)] = torch.tensor(values, dtype=torch.float32)
+    return out
+
 
 def round_metrics(
     total: list[float], per_function: dict[str, list[float]], completions: Completions, *,
@@ -892,13 +972,30 @@ def round_metrics(
 # ---------------------------------------------------------------------------- build
 
 
+def generation_backend(run: Run) -> GenerationBackend:
+    """rollout.backend: HF `generate` on the policy, or a vLLM engine (colocated or a server;
+    `training/rollout_vllm.py`), with the same stop tokens."""
+    cfg, policy = run.cfg, run.policy
+    stop = stop_token_ids(policy.module, run.model.tokenizer)
+    if cfg.rollout.backend == "vllm":
+        from align_anything.training import rollout_vllm
+
+        return rollout_vllm.build_backend(run, stop)
+    return HFGenerate(
+        policy,
+        run.model.tokenizer,
+        media=run.model.media,
+        chunk=cfg.section().generation_batch_size,
+    )
+
+
 def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
     """The online task around `algorithm`, its parts (generation backend, rewards, reference)
     and its step source."""
     cfg, policy = run.cfg, run.policy
     rl = cfg.section()
     media = run.model.media
-    generator = HFGenerate(policy, run.model.tokenizer, media=media, chunk=rl.generation_batch_size)
+    generator = generation_backend(run)
     model = None
     if cfg.reward.model is not None:
         if media is not None:
@@ -943,8 +1040,8 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         f"  generation      {rl.num_generations} completions per prompt, "
         f"{sizes.prompts_per_round} prompts per {per} ({sizes.prompts_per_rank} per rank), "
         f"at most {rl.max_completion_length} tokens, temperature {rl.temperature:g}, "
-        f"top_p {rl.top_p:g}; HF generate"
-        + (", ZeRO-3 parameters gathered once per round" if policy.zero_stage == 3 else ""),
+        f"top_p {rl.top_p:g}, top_k {rl.top_k}",
+        f"  generator       {generator.describe()}",
     ]  # fmt: skip
     # Text models whose attention takes a dense mask (`data.layouts`).
     share_prefix = cfg.speed.share_prefix and supports_shared_prompt(policy.module.config)

@@ -205,6 +205,7 @@ class PPO:
     world: int
     grad_accum: int
     name: str = "ppo"
+    importance_level: str = "token"  # rollout.importance_sampling weighs each token's loss
     logs_entropy: bool = True
 
     def needs_old_logps(self) -> bool:
@@ -342,6 +343,8 @@ class PPO:
                 logps, batch.old_logps, batch.advantages, epsilon_low=low, epsilon_high=high,
                 dual_clip=rl.dual_clip,
             )  # fmt: skip
+            if batch.is_weights is not None:  # rollout.importance_sampling, per token as GRPO's
+                per_token = per_token * batch.is_weights
             policy = loss_sum(per_token, mask, loss_type="dapo",
                               max_completion_length=rl.max_completion_length)  # fmt: skip
             actor = policy / normalizer

@@ -33,6 +33,7 @@ class RLOO(online.SequenceAdvantages):
     rl: Any  # the rloo section
     global_batch: int
     name: str = "rloo"
+    importance_level: str = "sequence"  # its loss and ratio are per completion
 
     def old_logps_for_reward(self) -> bool:
         """With β > 0 the KL penalty in the reward needs the log-probs at generation time."""
@@ -71,6 +72,8 @@ class RLOO(online.SequenceAdvantages):
         losses, stats = rloo_per_sequence_loss(
             logps, old, batch.advantages, epsilon_low=low, epsilon_high=high
         )
+        if batch.is_weights is not None:  # rollout.importance_sampling (per sequence)
+            losses = losses * batch.is_weights
         total = losses.sum()
         metrics = {
             "loss": total.detach(),

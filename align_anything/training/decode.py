@@ -82,16 +82,21 @@ def sample_completions(
     return tokens
 
 
-def row_sampler(generators: Sequence[torch.Generator], *, temperature: float, top_p: float):
+def row_sampler(
+    generators: Sequence[torch.Generator], *, temperature: float, top_p: float, top_k: int = 0
+):
     """A `sample(rows, logits)` for `sample_completions`: row r draws from `generators[r]`
     with the Gumbel-max rule of `rollout.GumbelSampler` (the same noise in the same order as
-    `generate` with that processor, so the same completions)."""
-    from transformers.generation.logits_process import TopPLogitsWarper
+    `generate` with that processor, so the same completions); top-k (0: none) before top-p."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+    top = TopKLogitsWarper(top_k) if top_k > 0 else None
     warper = TopPLogitsWarper(top_p) if top_p < 1.0 else None
 
     def sample(rows: Tensor, logits: Tensor) -> Tensor:
         scores = logits / temperature
+        if top is not None:
+            scores = top(None, scores)
         if warper is not None:
             scores = warper(None, scores)
         vocab = scores.shape[-1]

@@ -1,5 +1,5 @@
-"""Generation for online RL: the backend interface, and the one backend that runs here (HF
-`generate` on the policy).
+"""Generation for online RL: the backend interface, and the built-in backend (HF: the policy
+itself, through `decode.sample_completions` for text and `generate` for image prompts).
 
 `GenerationBackend.generate(prompts, n, sampling, seeds)` returns n completions per prompt
 (prompt i's completions are rows i·n … i·n+n−1). A completion is its token ids up to and
@@ -16,12 +16,11 @@ generator would tie every row's sample to the batch it was drawn in. The cost is
 per row per token from its generator (a vocabulary of uniforms), beside a forward pass of the
 whole batch.
 
-A vLLM backend (not here: no GPU) would implement the same `generate`, colocated as in TRL's
-`vllm_mode="colocate"`: one vLLM engine per rank in the training process (a share of device
-memory, `gpu_memory_utilization`), the policy's weights loaded into it after every optimizer
-step (ZeRO-3: gathered layer by layer and passed to `load_weights`), prompts of the rank only,
-its own seeded sampling (`SamplingParams(seed=...)` per request, which also makes completions
-independent of the batch), and put to sleep during the backward pass to free its KV cache.
+The vLLM backends (`training/rollout_vllm.py`, `rollout.backend=vllm`) implement the same
+`generate` with the same `Sampling` (temperature, top-k, top-p, max tokens, the same stop tokens,
+`stop_token_ids`) and one seed per completion (`completion_seed`, passed to vLLM's per-request
+`SamplingParams(seed=...)`); they also return the engine's log-prob of each sampled token
+(`Completions.logprobs`), which the online task compares with the trainer's own.
 """
 
 from __future__ import annotations
@@ -48,18 +47,22 @@ class Sampling:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no cut
     greedy: bool = False
 
 
 @dataclass
 class Completions:
     """n completions per prompt, in prompt order: token ids (stop token included), whether
-    each hit max_new_tokens without a stop token, and the generation's timing."""
+    each hit max_new_tokens without a stop token, the generation's timing, and, from an
+    inference engine, its log-prob of each kept token (None from the HF backend, whose
+    sampling runs on the trained weights themselves)."""
 
     ids: list[list[int]]
     truncated: list[bool]
     seconds: float
     generated_tokens: int
+    logprobs: list[list[float]] | None = None
 
 
 class GenerationBackend(Protocol):
@@ -69,6 +72,10 @@ class GenerationBackend(Protocol):
         """n completions of each prompt row (`prompt_ids`, media references for image
         prompts); `seeds`: one per prompt (ignored when greedy). Collective under ZeRO-3:
         every rank calls it once per round, also with no prompts."""
+        ...
+
+    def describe(self) -> str:
+        """One line for the start-up summary: what generates, and how it gets the weights."""
         ...
 
 
@@ -81,13 +88,21 @@ class GumbelSampler:
     temperature, then the top-p nucleus, then Gumbel noise from the row's own generator. With
     `do_sample=False`, `generate` takes the argmax of what this returns: an exact sample."""
 
-    def __init__(self, seeds: Sequence[int], *, temperature: float, top_p: float) -> None:
+    def __init__(
+        self, seeds: Sequence[int], *, temperature: float, top_p: float, top_k: int = 0
+    ) -> None:
         self.generators = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature = temperature
         self.top_p = top_p
+        self.top_k = top_k
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.float() / self.temperature
+        # top-k before top-p, the order of vLLM's sampler (and of transformers' warpers).
+        if self.top_k > 0:
+            from transformers.generation.logits_process import TopKLogitsWarper
+
+            scores = TopKLogitsWarper(self.top_k)(input_ids, scores)
         if self.top_p < 1.0:
             from transformers.generation.logits_process import TopPLogitsWarper
 
@@ -98,7 +113,9 @@ class GumbelSampler:
         return scores - torch.log(-torch.log(uniform))
 
 
-def _stop_ids(module: Any, tokenizer: Any) -> list[int]:
+def stop_token_ids(module: Any, tokenizer: Any) -> list[int]:
+    """The tokens a completion ends at: the model's generation config's EOS ids and the
+    tokenizer's EOS (what both backends stop at)."""
     ids = module.generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
@@ -136,7 +153,7 @@ class HFGenerate:
         with self.engine.gathered_for_generation() as module:
             was_training = module.training
             module.eval()
-            stop = _stop_ids(module, self.tokenizer)
+            stop = stop_token_ids(module, self.tokenizer)
             try:
                 if self.media is not None and has_media(prompts):
                     generated = self._generate_with_media(module, prompts, n, sampling, seeds, stop)
@@ -149,6 +166,11 @@ class HFGenerate:
             ids.append(kept)
             truncated.append(cut)
         return Completions(ids, truncated, time.perf_counter() - start, sum(map(len, ids)))
+
+    def describe(self) -> str:
+        return "HF generate on the policy" + (
+            ", ZeRO-3 parameters gathered once per round" if self.engine.zero_stage == 3 else ""
+        )
 
     def _decode(
         self, module: Any, prompts: Sequence[dict], n: int, sampling: Sampling,
@@ -167,8 +189,9 @@ class HFGenerate:
                     for i in range(len(part)) for j in range(n)
                 ]  # fmt: skip
                 sample = row_sampler(
-                    generators, temperature=sampling.temperature, top_p=sampling.top_p
-                )
+                    generators, temperature=sampling.temperature, top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                )  # fmt: skip
             out += sample_completions(
                 module, [p["prompt_ids"] for p in part], n, sample=sample,
                 max_new_tokens=sampling.max_new_tokens, stop=stop,
@@ -218,7 +241,12 @@ class HFGenerate:
         processors = LogitsProcessorList()
         if not sampling.greedy:
             processors.append(
-                GumbelSampler(seeds, temperature=sampling.temperature, top_p=sampling.top_p)
+                GumbelSampler(
+                    seeds,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    top_k=sampling.top_k,
+                )  # fmt: skip
             )
         # synced_gpus=False: transformers turns it on by itself under ZeRO-3 with several ranks
         # (an all-reduce per token); the parameters are whole and local here (see above).

@@ -14,6 +14,7 @@ task builders. Each part is its own small record, made by one set-up step:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,7 +134,9 @@ class Run:
     by name: "policy" always (the model the run
     trains and exports), and any a task trains beside it (PPO's "critic"). `summary` collects
     the start-up summary's lines from every set-up step and task builder. `logger` exists on
-    rank 0 once logging has started (`setup.start_logging`)."""
+    rank 0 once logging has started (`setup.start_logging`). `cleanup` is the run's exit
+    stack: a task's part that holds something (a colocated inference engine) registers its
+    release there, undone before the process group is left."""
 
     cfg: RunConfig
     dist: DistInfo
@@ -149,6 +152,7 @@ class Run:
     summary: list[str] = field(default_factory=list)
     state: RunState = field(default_factory=RunState)
     logger: MetricsLogger | None = None
+    cleanup: ExitStack | None = None
 
     @property
     def policy(self) -> Engine:

@@ -96,7 +96,7 @@ def setup(cfg: RunConfig, spec: TaskSpec, stack: ExitStack) -> Run:
     run = Run(
         cfg=cfg, dist=dist, output=output, family=family, model=model, data=data,
         ds_plan=ds_plan, schedule=schedule, engines=engines, ema=None,
-        memory_before_model=memory_before_model, summary=summary,
+        memory_before_model=memory_before_model, summary=summary, cleanup=stack,
     )  # fmt: skip
     restore(run)
     return run
