@@ -830,6 +830,7 @@ class PPOSection(_Section):
         gt=0.0, le=1.0, description="Nucleus sampling of the rollouts (1: no cut)."
     )
     top_k: int = Field(
+        default=0,
         ge=0,
         description="Sample among the k most likely tokens only (applied before top_p, as both backends do); 0: no cut.",
     )

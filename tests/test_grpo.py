@@ -236,7 +236,7 @@ def test_the_decode_loop_samples_what_generate_samples(tiny_backend, greedy: boo
     """`decode.sample_completions` (each prompt prefilled once, its cache copied, finished
     sequences retired) gives the completions transformers' `generate` gives with the same
     per-completion generators: the prompts' left padding, positions and noise order agree."""
-    from align_anything.training.rollout import _stop_ids, completion_seed
+    from align_anything.training.rollout import completion_seed, stop_token_ids
 
     backend, tokenizer = tiny_backend
     prompts = [
@@ -247,7 +247,9 @@ def test_the_decode_loop_samples_what_generate_samples(tiny_backend, greedy: boo
     sampling = Sampling(10, temperature=0.7, top_p=0.9, greedy=greedy)
     seeds = [5, 6, 7]
     module = backend.engine.module.eval()
-    stop = _stop_ids(module, tokenizer) + [tokenizer("a")["input_ids"][-1]]  # stops mid-way too
+    stop = stop_token_ids(module, tokenizer) + [
+        tokenizer("a")["input_ids"][-1]
+    ]  # stops mid-way too
     fast = backend._decode(module, prompts, 3, sampling, seeds, stop)
     rows = [(p, completion_seed(seeds[i], j)) for i, p in enumerate(prompts) for j in range(3)]
     slow = backend._generate(module, [r for r, _ in rows], [s for _, s in rows], sampling, stop)

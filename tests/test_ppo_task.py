@@ -281,6 +281,8 @@ def test_a_round_cut_into_records_and_back_is_the_same_batch(models) -> None:
     batch = task.collate(ROWS)
     online.Rollouts.no_grad_passes(SimpleNamespace(task=task, reference=reference), batch)  # type: ignore[arg-type]
     task.algorithm.attach_advantages([batch], torch.tensor(SCORES), rank=0, world=1)
+    # Importance weights of a vLLM round (rollout.importance_sampling), 0 past each completion.
+    batch.is_weights = torch.rand(batch.loss_mask.shape) * batch.completion_mask()
     records = online.split_batch(batch, [r["row"] for r in ROWS])
     assert [r["completion_ids"] for r in records] == [r["completion_ids"] for r in ROWS]
     again = online.attach_records(task.collate(ROWS), records)

@@ -21,6 +21,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -442,13 +443,15 @@ def test_importance_weights_scale_the_grpo_and_rloo_losses() -> None:
             advantages=advantages, is_weights=weights,
         )  # fmt: skip
 
+    # The task part the algorithms read: the policy's per-token log-probs of the batch.
+    task = SimpleNamespace(policy=None, token_logps=lambda policy, batch: logps)
     grpo = GRPO(load_config(["task=grpo", "grpo.loss_type=dapo"]).grpo)
     token_w = torch.tensor([[0.5, 2.0, 9.0], [1.0, 0.25, 3.0]])
-    total, _ = grpo.loss(logps, batch(token_w))
+    total = grpo.loss(task, batch(token_w), normalizer=1.0)[0]["policy"]
     # −A·w summed over counted tokens: −2·(0.5 + 2.0) + 1·(1.0 + 0.25 + 3.0) = −5 + 4.25.
     assert float(total) == pytest.approx(-0.75)
-    plain, _ = grpo.loss(logps, batch(None))
+    plain = grpo.loss(task, batch(None), normalizer=1.0)[0]["policy"]
     assert float(plain) == pytest.approx(-2.0 * 2 + 1.0 * 3)
     rloo = RLOO(load_config(["task=rloo"]).rloo, global_batch=2)
-    total, _ = rloo.loss(logps, batch(torch.tensor([0.5, 3.0])))
+    total = rloo.loss(task, batch(torch.tensor([0.5, 3.0])), normalizer=1.0)[0]["policy"]
     assert float(total) == pytest.approx(-2.0 * 0.5 + 1.0 * 3.0)

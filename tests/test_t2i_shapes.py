@@ -216,6 +216,7 @@ def test_random_components_make_a_pipeline_of_the_shipped_architecture() -> None
         shipped = json.loads((t2i_shapes.SHIPPED_DIR / name / "config.json").read_text())
         built = parts[name].config
         built = built.to_dict() if hasattr(built, "to_dict") else dict(built)
+        built = json.loads(json.dumps(built, default=str))  # tuples as the saved lists
         skip = {"_name_or_path", "_diffusers_version", "transformers_version", "scaling_factor",
                 "architectures", "dtype", "torch_dtype", "_class_name"}  # fmt: skip
         differing = {k for k in shipped if k not in skip and shipped[k] != built.get(k, shipped[k])}
