@@ -326,3 +326,23 @@ def test_reward_model_scores_rendered_text_as_the_model_alone(
         tokenizer.save_pretrained(policy_dir)
         RewardModel(str(policy_dir), policy_tokenizer=tokenizer, precision="fp32",
                     model_init_config=Z0, ds_config=Z0, device=torch.device("cpu"))  # fmt: skip
+
+
+@pytest.mark.parametrize("launched", [False, True])
+def test_a_stop_request_counts_the_launchers_forward_as_the_same_signal(launched: bool) -> None:
+    """Plain: the first SIGTERM is recorded, the second stops at once. Under a launcher a
+    process-group SIGTERM arrives twice (directly and forwarded), so the third stops at once."""
+    import signal
+
+    from align_anything.errors import Preempted
+    from align_anything.training.preemption import StopRequest
+
+    with StopRequest(announce=False, launched=launched) as stop:
+        signal.raise_signal(signal.SIGTERM)
+        assert stop.signum == signal.SIGTERM
+        if launched:
+            signal.raise_signal(signal.SIGTERM)  # the launcher's forward: still one request
+            assert stop.signum == signal.SIGTERM
+        with pytest.raises(Preempted, match=r"second stop signal \(SIGINT after SIGTERM\)"):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) != stop._handle  # the previous handler is back

@@ -9,7 +9,11 @@ someone was signalled, writes a checkpoint and exits.
 Two things could keep that from happening, and each has its way out:
 - A second signal (SIGTERM or SIGINT, e.g. Ctrl-C twice) stops at once: the handler raises
   `Preempted`, the run records "stopped" in run.json, releases its lock and exits with
-  128 + the signal; the step in progress is lost, the last complete checkpoint stands.
+  128 + the signal; the step in progress is lost, the last complete checkpoint stands. Under a
+  launcher (the deepspeed launcher, torchrun: `LOCAL_RANK` is set) one signal to the process
+  group reaches a rank twice, directly and forwarded by the launcher (which sends SIGTERM to
+  each rank in turn, waiting for the previous one to end), so there the first two signals are
+  one request and the third stops at once.
 - A step that cannot end: a reward function that does not return. The step loop would never
   reach its boundary, and a scheduler sends SIGTERM once, then SIGKILL after its grace period
   (Slurm's KillWait and Kubernetes' terminationGracePeriodSeconds are 30 s by default). So a
@@ -42,10 +46,16 @@ class StopRequest:
     The previous handlers are restored on exit.
     """
 
-    def __init__(self, *, announce: bool = True) -> None:
+    def __init__(self, *, announce: bool = True, launched: bool | None = None) -> None:
         self.signum: int | None = None
         self._announce = announce
         self._previous: dict[int, Any] = {}
+        self._received = 0
+        # Signals that still belong to the first request: the launcher's forward of a
+        # process-group signal (`launched`: None reads LOCAL_RANK, which the launchers set).
+        if launched is None:
+            launched = "LOCAL_RANK" in os.environ
+        self._one_request = 2 if launched else 1
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -65,6 +75,9 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        self._received += 1
+        if self.signum is not None and self._received <= self._one_request:
+            return  # the launcher forwarding the signal this rank already received
         if self.signum is not None:
             first = signal.Signals(self.signum).name
             raise Preempted(
