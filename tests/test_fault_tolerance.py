@@ -255,11 +255,11 @@ original = engine.Engine.save_checkpoint
 calls = []
 
 
-def save_checkpoint(self, directory, client_state):
+def save_checkpoint(self, directory, client_state, *, tag="deepspeed"):
     calls.append(directory)
     if len(calls) < 2:
-        return original(self, directory, client_state)
-    partial = directory / "deepspeed" / "mp_rank_00_model_states.pt"
+        return original(self, directory, client_state, tag=tag)
+    partial = directory / tag / "mp_rank_00_model_states.pt"
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_bytes(b"\\0" * 4096)
     raise OSError(errno.ENOSPC, "No space left on device", str(partial))
