@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
+from align_anything.data.batches import Rows
 from align_anything.data.encode import IGNORE_INDEX
 from align_anything.data.multimodal import has_media, media_inputs
 from align_anything.training.decode import row_sampler, sample_completions
@@ -227,13 +228,11 @@ class HFGenerate:
             prompt = row["prompt_ids"]
             input_ids[b, width - len(prompt) :] = torch.tensor(prompt)
             attention[b, width - len(prompt) :] = 1
-        batch: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention}
+        batch = Rows(input_ids, attention, torch.full_like(input_ids, IGNORE_INDEX))
         if self.media is not None and has_media(rows):
-            batch["labels"] = torch.full_like(input_ids, IGNORE_INDEX)
-            batch = self.media.attach(batch, rows, copies=1)
-            batch.pop("labels")
-            batch.pop("real_rows", None)
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = self.media.attach(batch, rows, copies=1)  # a dummy row is cut off below
+        width = batch.input_ids.shape[1]
+        media = {k: v.to(device) for k, v in media_inputs(batch).items()}
         config = GenerationConfig(
             max_new_tokens=sampling.max_new_tokens, do_sample=False, pad_token_id=pad,
             eos_token_id=stop, bos_token_id=self.tokenizer.bos_token_id,
@@ -251,9 +250,8 @@ class HFGenerate:
         # synced_gpus=False: transformers turns it on by itself under ZeRO-3 with several ranks
         # (an all-reduce per token); the parameters are whole and local here (see above).
         output = module.generate(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-            **media_inputs(batch), generation_config=config, logits_processor=processors,
-            synced_gpus=False,
+            input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+            **media, generation_config=config, logits_processor=processors, synced_gpus=False,
         )  # fmt: skip
         new = output[: len(rows), width:].tolist()
         return new
