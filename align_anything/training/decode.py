@@ -23,6 +23,7 @@ weights and seed (tested: `tests/test_grpo.py`). Text prompts only: image prompt
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,10 +49,10 @@ def sample_completions(
         mask[b, width - len(prompt) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_(min=0)
-    cache = DynamicCache()
+    cache = DynamicCache()  # filled in place by each forward
+    kw = cache_keyword(module)
     out = module(input_ids=ids, attention_mask=mask, position_ids=positions,
-                 past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
-    cache = out.past_key_values
+                 use_cache=True, logits_to_keep=1, **{kw: cache})  # fmt: skip
     logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)
     if n > 1:
         cache.batch_repeat_interleave(n)
@@ -74,12 +75,19 @@ def sample_completions(
             next_position = next_position[keep]
         mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
         out = module(input_ids=chosen[:, None], attention_mask=mask,
-                     position_ids=next_position[:, None], past_key_values=cache,
-                     use_cache=True)  # fmt: skip
-        cache = out.past_key_values
+                     position_ids=next_position[:, None], use_cache=True,
+                     **{kw: cache})  # fmt: skip
         logits = out.logits[:, -1].float()
         next_position = next_position + 1
     return tokens
+
+
+def cache_keyword(module: Any) -> str:
+    """The forward's KV-cache argument: `cache` in newer transformers (which warns that
+    `past_key_values` goes away), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 def row_sampler(
