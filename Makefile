@@ -60,7 +60,9 @@ train-grpo: setup
 
 # The RLHF main job (README "The RLHF main job"), the classic pipeline in three runs: SFT of the
 # built-in model on arith-sft, a reward model from the SFT model on arith-pref, then PPO of the
-# built-in model on arith-prompts rewarded by that reward model, its critic started from it.
+# built-in model on arith-prompts rewarded by that reward model plus the exact-answer function
+# (the reward model alone is gamed: it scores the format, not the number), its critic started
+# from the reward model.
 PPO_RUN_DIR ?= outputs/rlhf-$(shell date +%Y%m%d-%H%M%S)
 
 train-ppo: setup
@@ -69,7 +71,7 @@ train-ppo: setup
 	$(PY) -m align_anything.train task=rm deepspeed=z0 model.name_or_path=$(PPO_RUN_DIR)/sft/final \
 		train.per_device_batch_size=8 train.learning_rate=5e-5 train.lr_scheduler=constant \
 		output_dir=$(PPO_RUN_DIR)/rm
-	$(PY) -m align_anything.train task=ppo deepspeed=z3 'reward.functions=[]' \
+	$(PY) -m align_anything.train task=ppo deepspeed=z3 \
 		reward.model=$(PPO_RUN_DIR)/rm/final ppo.critic_init=reward_model output_dir=$(PPO_RUN_DIR)/ppo
 
 # The text-to-image main job: Diffusion-DPO of the built-in tiny-t2i-shapes on the built-in
