@@ -346,3 +346,19 @@ def test_a_stop_request_counts_the_launchers_forward_as_the_same_signal(launched
         with pytest.raises(Preempted, match=r"second stop signal \(SIGINT after SIGTERM\)"):
             signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) != stop._handle  # the previous handler is back
+
+
+def test_only_a_launchers_environment_counts_as_launched(monkeypatch) -> None:
+    """Set-up gives a plain `python -m` run LOCAL_RANK too, so that is not the sign; the
+    deepspeed launcher's LOCAL_SIZE and torchrun's TORCHELASTIC_RUN_ID are."""
+    from align_anything.training.preemption import launched_by_launcher
+
+    for name in ("LOCAL_SIZE", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not launched_by_launcher()
+    monkeypatch.setenv("LOCAL_SIZE", "2")
+    assert launched_by_launcher()
+    monkeypatch.delenv("LOCAL_SIZE")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert launched_by_launcher()

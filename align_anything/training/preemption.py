@@ -10,7 +10,7 @@ Two things could keep that from happening, and each has its way out:
 - A second signal (SIGTERM or SIGINT, e.g. Ctrl-C twice) stops at once: the handler raises
   `Preempted`, the run records "stopped" in run.json, releases its lock and exits with
   128 + the signal; the step in progress is lost, the last complete checkpoint stands. Under a
-  launcher (the deepspeed launcher, torchrun: `LOCAL_RANK` is set) one signal to the process
+  launcher (the deepspeed launcher, torchrun) one signal to the process
   group reaches a rank twice, directly and forwarded by the launcher (which sends SIGTERM to
   each rank in turn, waiting for the previous one to end), so there the first two signals are
   one request and the third stops at once.
@@ -52,9 +52,9 @@ class StopRequest:
         self._previous: dict[int, Any] = {}
         self._received = 0
         # Signals that still belong to the first request: the launcher's forward of a
-        # process-group signal (`launched`: None reads LOCAL_RANK, which the launchers set).
+        # process-group signal (`launched`: None reads the environment, `launched_by_launcher`).
         if launched is None:
-            launched = "LOCAL_RANK" in os.environ
+            launched = launched_by_launcher()
         self._one_request = 2 if launched else 1
 
     def __enter__(self) -> StopRequest:
@@ -97,6 +97,13 @@ class StopRequest:
         call = rewards.active_call()
         if call is not None:
             call.cut_short(REWARD_GRACE_S, signum)
+
+
+def launched_by_launcher() -> bool:
+    """Whether a launcher that forwards stop signals started this process: the deepspeed
+    launcher sets LOCAL_SIZE, torchrun TORCHELASTIC_RUN_ID (LOCAL_RANK will not do: set-up
+    sets it for a plain `python -m` run too)."""
+    return "LOCAL_SIZE" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
 
 
 def agreed_signal(request: StopRequest | None) -> int:
