@@ -33,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from align_anything.errors import ConfigError, UserError, report
+from align_anything.tools.http_json import answer_json
 
 # Largest request body accepted (bytes); a larger one is refused with 413.
 MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -118,12 +119,7 @@ def make_handler(scorer: RewardScorer, token: str | None) -> type[BaseHTTPReques
         server_version = "align-anything-reward"
 
         def _answer(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            answer_json(self, status, payload)
 
         def _authorised(self) -> bool:
             if token is None:

@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from align_anything.errors import ConfigError, UserError, report
+from align_anything.tools.http_json import answer_json
 
 # Largest request body accepted: a weight chunk (64 MiB from the trainer) or a generation round.
 MAX_BODY_BYTES = 1024 * 1024 * 1024
@@ -111,12 +112,7 @@ def make_handler(service: RolloutService) -> type[BaseHTTPRequestHandler]:
         server_version = "align-anything-rollout"
 
         def _answer(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            answer_json(self, status, payload)
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             path = self.path.rstrip("/")
