@@ -563,3 +563,23 @@ def test_zero3_starts_from_the_same_loss_as_zero0_and_is_partitioned() -> None:
 
 if __name__ == "__main__":
     print("ENGINE_PROBE " + json.dumps(_probe_engine(sys.argv[1])), flush=True)
+
+
+def test_a_stale_build_lock_of_the_offload_optimizer_is_one_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A killed JIT build leaves `<TORCH_EXTENSIONS_DIR>/cpu_adam/lock`, and torch's loader
+    would wait for it forever: an old lock is refused with its path; a fresh one (another
+    process building now) and none at all pass."""
+    from align_anything.backend.engine import STALE_BUILD_LOCK_S, refuse_a_stale_build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    refuse_a_stale_build_lock("cpu_adam")  # no build folder at all
+    lock = tmp_path / "cpu_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    created = lock.stat().st_mtime
+    refuse_a_stale_build_lock("cpu_adam", now=created + 60)  # a build in progress
+    with pytest.raises(ConfigError, match="left 16 minutes ago") as err:
+        refuse_a_stale_build_lock("cpu_adam", now=created + STALE_BUILD_LOCK_S + 60)
+    assert str(lock) in str(err.value) and "delete that file" in str(err.value)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -54,12 +57,48 @@ def _build_optimizer(
     if offloads_optimizer(ds_config):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        refuse_a_stale_build_lock("cpu_adam")
         return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
     # torch's fused kernel: the same AdamW update in one multi-tensor kernel. On CPU about 3x
     # faster than the default per-tensor loop on a 135M-parameter model (0.20 s against 0.59 s
     # per step here); on CUDA the counterpart of DeepSpeed's FusedAdam (and what HF Trainer
     # defaults to), without DeepSpeed's compile on first use, which needs the CUDA toolkit.
     return torch.optim.AdamW(groups, fused=True, **kwargs)
+
+
+# A build of DeepSpeed's CPU Adam takes a minute or two; a lock much older than that was left by
+# a build that was killed.
+STALE_BUILD_LOCK_S = 15 * 60
+
+
+def refuse_a_stale_build_lock(op: str, *, now: float | None = None) -> None:
+    """Refuse to start when the JIT build folder of DeepSpeed's op `op` holds a stale lock.
+
+    torch's extension loader (`torch.utils.cpp_extension`, through DeepSpeed's op builder)
+    guards each build with a lock file, `<TORCH_EXTENSIONS_DIR>/<op>/lock`, created on start and
+    deleted on success. A build killed in between leaves it behind, and every later load waits
+    for it to go away, silently and forever (`torch.utils.file_baton.FileBaton.wait`). The lock
+    records no owner, so its age is the sign: older than `STALE_BUILD_LOCK_S` is an error naming
+    the file; a younger one is another process's build in progress, which the load waits for."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:  # torch's default: <root>/py311_cpu (or _cu126, ...)
+        accel = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        tag = f"py{sys.version_info.major}{sys.version_info.minor}_{accel}"
+        root = os.path.join(get_default_build_root(), tag)
+    lock = Path(root) / op / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_BUILD_LOCK_S:
+        raise ConfigError(
+            f"the build of DeepSpeed's {op} op (the offload presets' CPU optimizer) is locked by "
+            f"{lock}, left {age / 60:.0f} minutes ago by a build that was stopped; every run "
+            "would wait for it forever. If no other run is compiling it right now, delete that "
+            "file and start again"
+        )
 
 
 def lr_lambda(schedule: str, *, total_steps: int, warmup_steps: int) -> Callable[[int], float]:
