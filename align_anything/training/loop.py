@@ -79,12 +79,17 @@ def train_step(run: Run, task: Task, source: StepSource) -> StepResult:
     normalizer = max(items, 1.0) / (plan.world_size * plan.grad_accum)
     rate = run.policy.learning_rate()  # the rate this step uses (the schedule moves after)
     sums: dict[str, torch.Tensor] = {}
-    stepped: set[str] = set()
+    # The engines that got a loss, in the order they got it (the task's, the same on every
+    # rank). Not a set: a set of strings iterates in an order of the process's own hash seed,
+    # which differs between ranks, and under ZeRO-3 each engine's step is collective (its
+    # gradient norm all-reduce, its persistent parameters' all-gather), so two ranks stepping
+    # policy and critic in opposite orders hang (issue #23's desynchronised PPO).
+    stepped: dict[str, None] = {}
     for index, batch in enumerate(batches):
         out = task.loss(batch, normalizer=normalizer, training=True)
         for name, loss in out.losses.items():
             run.engines[name].backward(loss)
-            stepped.add(name)
+            stepped[name] = None
             if index < len(batches) - 1:
                 run.engines[name].step()  # not yet the accumulation boundary: no update
         for key, value in out.metrics.items():
@@ -103,7 +108,7 @@ def train_step(run: Run, task: Task, source: StepSource) -> StepResult:
     if grad_norm is not None and not math.isfinite(grad_norm):
         stop_on_nonfinite(run, ["grad_norm"], [grad_norm])
     result = StepResult(dict(zip(keys, values, strict=True)), items, tokens, rate, grad_norm)
-    for name in sorted(stepped - {"policy"}):
+    for name in [n for n in stepped if n != "policy"]:
         # An engine trained beside the policy (PPO's critic): its rate and norm, per-step
         # figures `learning_rate/<name>` and `grad_norm/<name>`.
         norm = run.engines[name].grad_norm()
