@@ -196,11 +196,17 @@ def run_paired(args: argparse.Namespace, stage: str, cache: Path, workdir: Path)
             "speed_ours_over_plain": plain / ours, "max_rel_loss_diff": worst}  # fmt: skip
 
 
-def cache_saving(model: str, *, batch: int, steps: int) -> dict[str, float]:
+def cache_saving(
+    model: str, *, batch: int, steps: int, threads: int | None = None
+) -> dict[str, float]:
     """Seconds per step to encode a step's 2 x batch images and batch captions through the VAE
-    and the text encoder, against reading them from the latent cache (median over `steps`)."""
+    and the text encoder, against reading them from the latent cache (median over `steps`), on
+    `threads` torch threads (the training runs' count; None: torch's default)."""
     import numpy as np
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
 
     from align_anything.data.images import center_crop, read_image_source
     from align_anything.data.latents import (
@@ -262,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         records = interleave(runners, args.repeats)
         paired = {stage: run_paired(args, stage, cache, workdir)
                   for stage in (args.zero if args.paired_steps > 1 else [])}  # fmt: skip
-    saving = cache_saving(args.model, batch=args.batch, steps=args.cache_steps)
+    saving = cache_saving(
+        args.model, batch=args.batch, steps=args.cache_steps, threads=args.threads
+    )
     ours, plain = records[f"align_anything {args.zero[0]}"], records["plain loop"]
     rows = ["| variant | steps/s | peak RSS MiB | speed this/plain | RSS this/plain |",
             "|---|---|---|---|---|"]  # fmt: skip
