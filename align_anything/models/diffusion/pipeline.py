@@ -569,10 +569,10 @@ def bucket_width(info: PipelineInfo) -> int:
 
     - a transformer (SD3, Flux): heads x head size, its hidden size, as for a language model;
     - a UNet (SD 1.x/2.x, SDXL): 3·c, c the widest block's channels, so that h² = 9c² is one
-      c -> c 3x3 convolution kernel. With h = c every convolution's gradient overflowed the
-      ZeRO-2 reduce bucket, which then reduced gradients nearly one at a time: 133 reductions
-      per step for `tiny-t2i-shapes` (37 at 3·c), a quarter of its Diffusion-DPO step at z2
-      (benchmarks/README.md, "Diffusion-DPO")."""
+      c -> c 3x3 convolution kernel. With h = c nearly every convolution's gradient overflowed
+      the ZeRO-2 reduce bucket, which then reduced gradients one at a time: 124 reductions per
+      step for `tiny-t2i-shapes` (37 at 3·c), about a tenth of its Diffusion-DPO step at z2 on
+      busy CPU cores (benchmarks/README.md, "Diffusion-DPO")."""
     config = info.denoiser_config
     if info.family in ("sd", "sdxl"):
         return UNET_KERNEL_SIDE * int(max(config.get("block_out_channels") or [320]))
