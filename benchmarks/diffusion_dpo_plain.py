@@ -129,6 +129,40 @@ def dpo_loss(theta_w, theta_l, ref_w, ref_l, beta: float) -> tuple[torch.Tensor,
     return -F.logsigmoid(beta * logits).mean(), logits
 
 
+def dpo_step(
+    unet, reference, optimizer, latents_w, latents_l, embeds, noise, t, alphas, *, beta: float,
+    max_grad_norm: float, lr: float,
+) -> dict[str, float]:  # fmt: skip
+    """One Diffusion-DPO optimizer step on B pairs: chosen `latents_w` and rejected `latents_l`
+    [B, C, h, w] with their captions' `embeds`, one `noise` [B, C, h, w] and timestep `t` [B]
+    per pair shared by both images; the loss, backward, clipping and AdamW's update at `lr`.
+    Returns the step's loss, gradient norm (before clipping) and accuracy."""
+    both = torch.cat([latents_w, latents_l])
+    noise2, t2, embeds2 = torch.cat([noise, noise]), torch.cat([t, t]), embeds.repeat(2, 1, 1)
+    theta = per_sample_mse(unet, both, noise2, t2, embeds2, alphas)
+    with torch.no_grad():
+        ref = per_sample_mse(reference, both, noise2, t2, embeds2, alphas)
+    theta_w, theta_l = theta.chunk(2)
+    ref_w, ref_l = ref.chunk(2)
+    loss, logits = dpo_loss(theta_w, theta_l, ref_w, ref_l, beta)
+    grad_norm = update(unet, optimizer, loss, max_grad_norm=max_grad_norm, lr=lr)
+    return {
+        "loss": loss.item(), "grad_norm": grad_norm,
+        "accuracy": (logits > 0).float().mean().item(),
+    }  # fmt: skip
+
+
+def update(unet, optimizer, loss, *, max_grad_norm: float, lr: float) -> float:
+    """Backward, clipping and AdamW's update at `lr`; the gradient norm before clipping."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), max_grad_norm).item()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return grad_norm
+
+
 def learning_rate(step: int, args: argparse.Namespace) -> float:
     """Linear warm-up over `--warmup-steps`, then constant or cosine to 0 (the framework's
     schedules)."""
@@ -208,29 +242,19 @@ def main(argv: list[str] | None = None) -> int:
         t = torch.randint(0, num_t, (len(index),), generator=gen)
         noise = torch.randn((len(index), *latents_w.shape[1:]), generator=gen)
         if args.task == "dpo":
-            both = torch.cat([latents_w[index], latents_l[index]])
-            noise2, t2, embeds2 = (
-                torch.cat([noise, noise]),
-                torch.cat([t, t]),
-                embeds[index].repeat(2, 1, 1),
-            )
-            theta = per_sample_mse(unet, both, noise2, t2, embeds2, alphas)
-            with torch.no_grad():
-                ref = per_sample_mse(reference, both, noise2, t2, embeds2, alphas)
-            theta_w, theta_l = theta.chunk(2)
-            ref_w, ref_l = ref.chunk(2)
-            loss, logits = dpo_loss(theta_w, theta_l, ref_w, ref_l, args.beta)
-            extra = {"accuracy": (logits > 0).float().mean().item()}
+            figures = dpo_step(
+                unet, reference, optimizer, latents_w[index], latents_l[index], embeds[index],
+                noise, t, alphas, beta=args.beta, max_grad_norm=args.max_grad_norm,
+                lr=learning_rate(step, args),
+            )  # fmt: skip
         else:
             loss = per_sample_mse(unet, latents_w[index], noise, t, embeds[index], alphas).mean()
-            extra = {}
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(unet.parameters(), args.max_grad_norm).item()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, args)
-        optimizer.step()
-        history.append({"step": step + 1, "loss": loss.item(), "grad_norm": grad_norm, **extra})
+            norm = update(
+                unet, optimizer, loss, max_grad_norm=args.max_grad_norm,
+                lr=learning_rate(step, args),
+            )  # fmt: skip
+            figures = {"loss": loss.item(), "grad_norm": norm}
+        history.append({"step": step + 1, **figures})
         if (step + 1) % args.log_every == 0:
             recent = history[-args.log_every :]
             mean = {k: sum(h[k] for h in recent) / len(recent) for k in recent[0] if k != "step"}

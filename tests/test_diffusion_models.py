@@ -134,6 +134,26 @@ def test_frozen_parts_and_trainable_denoiser() -> None:
     assert flow.max_sequence_length == 32  # the tiny T5 tokenizer's model_max_length
 
 
+@pytest.mark.parametrize("name", ["tiny-t2i-shapes", "tiny-random-sdxl", "tiny-random-sd3"])
+def test_the_bucket_width_squared_is_one_layer_weight(name: str) -> None:
+    """DeepSpeed's "auto" reduce bucket (width²) is one of the denoiser's layer weights, as a
+    language model's h² is one h x h projection: a UNet's c -> c 3x3 convolution kernel (c, the
+    widest block's channels; with c² nearly every convolution's gradient overflowed the bucket
+    and ZeRO-2 reduced gradients one at a time), a transformer's h x h attention projection."""
+    info = diffusion.inspect_pipeline(name)
+    denoiser = diffusion.load_denoiser(info, dtype=torch.float32)
+    shapes = {tuple(p.shape) for p in denoiser.parameters()}
+    config = info.denoiser_config
+    if info.family in ("sd", "sdxl"):
+        c = max(config["block_out_channels"])
+        assert (c, c, 3, 3) in shapes
+        assert diffusion.bucket_width(info) ** 2 == c * c * 3 * 3
+    else:
+        h = config["num_attention_heads"] * config["attention_head_dim"]
+        assert (h, h) in shapes
+        assert diffusion.bucket_width(info) ** 2 == h * h
+
+
 def test_encoder_identity_follows_the_encoders_only(tmp_path: Path) -> None:
     folder = _copy("tiny-random-sd", tmp_path / "pipe")
     info = diffusion.inspect_pipeline(str(folder))

@@ -557,13 +557,25 @@ def save_pipeline(
     return Path(out)
 
 
+# A UNet's bucket width per channel of its widest block: 3, so that h² = 9c² holds one c -> c
+# 3x3 convolution kernel (see `bucket_width`).
+UNET_KERNEL_SIDE = 3
+
+
 def bucket_width(info: PipelineInfo) -> int:
-    """The denoiser's widest hidden size (a UNet's last block's channels, a transformer's
-    heads x head size): what DeepSpeed's bucket sizes follow, as a language model's hidden
-    size does (`backend.ds_config`)."""
+    """The width h that DeepSpeed's "auto" bucket sizes follow (`backend.ds_config`: h², 0.9·h²,
+    10·h), as a language model's hidden size does. There h² is one h x h weight of a layer;
+    the denoiser's counterpart of that weight gives h:
+
+    - a transformer (SD3, Flux): heads x head size, its hidden size, as for a language model;
+    - a UNet (SD 1.x/2.x, SDXL): 3·c, c the widest block's channels, so that h² = 9c² is one
+      c -> c 3x3 convolution kernel. With h = c nearly every convolution's gradient overflowed
+      the ZeRO-2 reduce bucket, which then reduced gradients one at a time: 124 reductions per
+      step for `tiny-t2i-shapes` (37 at 3·c), about a tenth of its Diffusion-DPO step at z2 on
+      busy CPU cores (benchmarks/README.md, "Diffusion-DPO")."""
     config = info.denoiser_config
     if info.family in ("sd", "sdxl"):
-        return int(max(config.get("block_out_channels") or [320]))
+        return UNET_KERNEL_SIDE * int(max(config.get("block_out_channels") or [320]))
     return int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 64))
 
 
