@@ -61,6 +61,14 @@ DIST_ENV_VARS = (
 _current_test: pytest.Item | None = None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs two workers) each worker computes in one thread,
+    as the runs it launches do: two workers with two OpenMP threads each on two cores mostly
+    wait for each other. Set before any test module imports torch."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     global _current_test
@@ -206,9 +214,12 @@ def spawn(
         # Output without a terminal: plain progress lines, no colour codes to parse around.
         NO_COLOR="1",
     )
-    if nproc > 1:
-        # Ranks share the runner's few cores; more threads per rank only oversubscribe them.
-        env["OMP_NUM_THREADS"] = "1"
+    # One thread per process: the runs are tiny (a step is hundreds of short parallel sections,
+    # and a second thread mostly waits at each one), ranks share the runner's few cores, and
+    # `make test` runs two tests at once (pytest-xdist). Measured on the tiny text-to-image
+    # model: the same speed alone, and 3-15x less CPU per step beside other work
+    # (benchmarks/README.md, Diffusion-DPO).
+    env["OMP_NUM_THREADS"] = "1"
     env.update(extra_env or {})
 
     # A new session makes the launcher and every rank it starts one process group, so a timeout
