@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import COMMON, RunResult, launch
 
+from align_anything.backend.universal import load_deepspeed_file
+
 # End to end: every test here launches the real trainer (conftest.launch).
 pytestmark = pytest.mark.slow
 
@@ -60,6 +62,14 @@ def test_z2_two_ranks_resumes_as_z3_one_rank(z2_two_ranks: RunResult, tmp_path: 
     assert lrs == pytest.approx(
         [m["learning_rate"] for m in z2_two_ranks.train_steps()[2:]], rel=1e-9
     )
+    # Adam's step count (its bias corrections) carries over too, in every parameter group: the
+    # resumed run's step-4 checkpoint counts 4 steps. DeepSpeed's ZeRO-3 universal load shares
+    # one count among the groups (6 here, advanced once per group and step) unless
+    # backend/universal.unshare_step_counts mends it.
+    optim = resumed.output_dir / "checkpoints" / "step-4" / "deepspeed"
+    (path,) = optim.glob("*optim_states.pt")
+    groups = load_deepspeed_file(path)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+    assert len(groups) == 2 and [float(g["step"]) for g in groups.values()] == [4.0, 4.0]
 
 
 def test_a_zero0_checkpoint_cannot_change_stage(tmp_path: Path) -> None:
