@@ -26,7 +26,7 @@ from align_anything.backend.ds_config import (
     torch_dtype,
     zero_stage_of,
 )
-from align_anything.backend.universal import universal_tag
+from align_anything.backend.universal import universal_tag, unshare_step_counts
 from align_anything.errors import ConfigError
 
 
@@ -268,6 +268,9 @@ class Engine:
         if self.load_universal:
             for group, values in zip(self.optimizer.param_groups, kept, strict=True):
                 group.update(values)
+            # ZeRO-3's universal load shares one Adam step tensor among the groups (advanced
+            # once per group per step): see `unshare_step_counts`.
+            unshare_step_counts(self.optimizer)
         if load_path is None:
             raise ConfigError(f"no DeepSpeed checkpoint could be loaded from {directory / tag}")
         self._follow_this_runs_schedule()

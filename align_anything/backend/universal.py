@@ -1,7 +1,8 @@
 """DeepSpeed checkpoints across ZeRO stages and world sizes, and reading their files.
 
 `convert_to_universal` turns a ZeRO-1/2/3 checkpoint into DeepSpeed's universal checkpoint (with
-workarounds for three DeepSpeed 0.19.8 problems, each explained where it is fixed);
+workarounds for three DeepSpeed 0.19.8 problems, each explained where it is fixed), and
+`unshare_step_counts` mends a fourth, in what DeepSpeed's ZeRO-3 universal load leaves behind;
 `checkpoint_state_dict` merges any checkpoint into full fp32 weights; `load_deepspeed_file`
 reads one of DeepSpeed's files without unpickling arbitrary objects.
 """
@@ -219,6 +220,36 @@ def _add_stage3_optimizer_globals(folder: Path) -> None:
         "param_groups": state["param_groups"],
     }
     torch.save(state, path)
+
+
+def unshare_step_counts(optimizer: Any) -> int:
+    """Give every parameter group of `optimizer` (DeepSpeed's ZeRO optimizer, or the torch
+    optimizer it wraps) its own Adam step count after a universal load; returns how many were
+    shared. Call after every ZeRO-3 universal load.
+
+    DeepSpeed 0.19.8's ZeRO-3 universal load (`stage3.py`,
+    `load_hp_checkpoint_state_from_checkpoint_dir_stage3`) stores ONE `step` tensor object in
+    the state of every sub-group's fp32 partition. torch's Adam/AdamW (foreach and fused)
+    increment step tensors in place, once per parameter group, so with two groups (weights with
+    decay, and the norms and biases without) the shared count advances twice per optimizer
+    step: the first group's bias correction sees steps 3, 5, 7, ... and the second's 4, 6, 8,
+    ... instead of 3, 4, 5. Measured on PPO's tiny run (ZeRO-2 -> ZeRO-3 and 2 -> 1 ranks from
+    step 2): the norms' weights already off by 9e-5 after step 3 (lr 1e-3), both engines'
+    losses 2% off by step 5, and the resumed run's checkpoints recording step 10 at step 6.
+    (ZeRO-1/2's universal load reads each group's count from its own `step.pt`: not shared.)
+    """
+    state = getattr(optimizer, "optimizer", optimizer).state
+    seen: set[int] = set()
+    shared = 0
+    for param_state in state.values():
+        step = param_state.get("step")
+        if not isinstance(step, torch.Tensor):
+            continue
+        if id(step) in seen:
+            param_state["step"] = step.clone()
+            shared += 1
+        seen.add(id(step))
+    return shared
 
 
 def checkpoint_state_dict(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
