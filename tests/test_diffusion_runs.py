@@ -54,6 +54,7 @@ def sft_args(data: Path) -> list[str]:
         "task=diffusion_sft", "model.name_or_path=tiny-random-sd", *FAST,
         f"data.path={data / 'images.parquet'}", f"data.eval_path={data / 'images-eval.parquet'}",
         "diffusion_sft.check_samples=0", "diffusion_sft.sample_steps=1",
+        "train.lr_scheduler=constant", "train.warmup_ratio=0",  # not the built-in recipe's
     ]  # fmt: skip
 
 
