@@ -787,6 +787,10 @@ class _Diffusion(_Section):
 
 
 class DiffusionSFTSection(_Diffusion):
+    eval_draws: int = Field(
+        ge=1,
+        description="Noise draws (noise and noise level, from the training density) each held-out image is scored at, the same at every evaluation; its eval/loss and eval/mse are their mean. More draws: the same expected loss with less noise, at that many forward passes per held-out image.",
+    )
     min_snr_gamma: float | None = Field(
         gt=0.0,
         description="Min-SNR-gamma weighting of the denoising loss (Hang et al. 2023; 5.0 is the paper's), epsilon and v-prediction only; null: the plain MSE.",

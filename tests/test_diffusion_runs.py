@@ -4,6 +4,8 @@ and a few drawn shapes (tests/test_diffusion_tasks.py holds their losses to diff
 - diffusion fine-tuning under ZeRO-2 with EMA: the start-up summary, the sample grids, `final/`
   and `final-ema/` as diffusers folders that load and sample, the held-out loss going down, and
   the export of a ZeRO-2 checkpoint equal to `final/`;
+- diffusion fine-tuning of the built-in trained `tiny-t2i-shapes` on the built-in `t2i-shapes`:
+  the held-out denoising loss on `t2i-shapes-val` (its 256 images at 4 fixed draws each) falls;
 - Diffusion-DPO: 2 ranks under ZeRO-2 log the losses of 1 rank under ZeRO-3 (a partitioned
   reference), and a resume of the 2-rank ZeRO-2 checkpoint on 1 rank under ZeRO-3 continues
   them;
@@ -52,6 +54,7 @@ def sft_args(data: Path) -> list[str]:
         "task=diffusion_sft", "model.name_or_path=tiny-random-sd", *FAST,
         f"data.path={data / 'images.parquet'}", f"data.eval_path={data / 'images-eval.parquet'}",
         "diffusion_sft.check_samples=0", "diffusion_sft.sample_steps=1",
+        "train.lr_scheduler=constant", "train.warmup_ratio=0",  # not the built-in recipe's
     ]  # fmt: skip
 
 
@@ -108,6 +111,38 @@ def test_fine_tuning_summary_samples_and_held_out_loss(sft_run: RunResult) -> No
     assert all(math.isfinite(m["loss"]) and m["samples_per_second"] > 0
                for m in sft_run.train_steps())  # fmt: skip
     before, after = sft_run.eval("before")["eval/loss"], sft_run.eval("after")["eval/loss"]
+    assert after < before, (before, after)
+
+
+def test_fine_tuning_the_builtin_model_lowers_its_held_out_denoising_loss(
+    tmp_path: Path,
+) -> None:
+    """The built-in recipe, shortened: 100 steps of 64 images at 3e-5 (warm-up, cosine decay)
+    lower the held-out MSE of the trained base model on `t2i-shapes-val`. Measured by hand
+    (2 shared CPU cores, fp32, about 30 s a run on quiet cores) with train.seed 1, 2, 3, which
+    also seeds the held-out draws: 0.02396 -> 0.02359, 0.02612 -> 0.02578, 0.02628 -> 0.02596;
+    the standard error of the paired difference of this estimate (256 images x 4 draws) is
+    about 0.00008, so each fall is 4 to 5 of them. (The full recipe, 200 steps at 1e-4, falls
+    0.0009.) The gain is small by nature: the base model already draws these shapes; what true
+    captions add is their colour, which tells the denoiser most at high noise levels, where the
+    epsilon MSE is small."""
+    run = launch(
+        [
+            "task=diffusion_sft",
+            "train.precision=fp32",
+            "train.max_steps=100",
+            "train.learning_rate=3e-5",
+            "diffusion_sft.check_samples=0",
+            "diffusion_sft.sample_steps=1",
+            "logging.sample_seeds=[0]",
+            "logging.sample_prompts=[a_red_circle]",
+        ],  # fmt: skip
+        tmp_path / "run",
+        timeout_s=600,
+    ).check()
+    assert "t2i-shapes-val: kept 256 of 256 rows" in run.output
+    assert "4 fixed noise draws" in run.summary_line("held-out loss")
+    before, after = run.eval("before")["eval/mse"], run.eval("after")["eval/mse"]
     assert after < before, (before, after)
 
 

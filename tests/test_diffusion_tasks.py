@@ -140,6 +140,38 @@ def test_min_snr_weights_the_mse_by_hand(setup: Setup) -> None:
     assert float(out.metrics["loss"]) == pytest.approx(mse * min(snr, gamma) / snr, rel=1e-5)
 
 
+def test_a_held_out_images_loss_is_the_mean_over_its_eval_draws(setup: Setup) -> None:
+    """With eval_draws K, a held-out image's loss is the mean of its K draws' MSEs, the k-th
+    seeded by (seed, EVAL_STEP + k, row) (the first the draw of one-draw evaluation; min-SNR
+    weights each draw by its own noise level); a training row still gets one draw."""
+    gamma = 5.0
+    denoise = dataclasses.replace(denoising(setup), eval_draws=3)
+    task = DiffusionSFT(policy=setup.unet, denoise=denoise, min_snr_gamma=gamma, pictures=None)
+    batch = task.collate([setup.images[1], setup.images[3]])
+    assert len(batch.all_draws) == 3 and task.count_items(batch) == 2
+    assert len(task.collate([setup.images[1].at(4)]).all_draws) == 1
+    with torch.no_grad():
+        out = task.loss(batch, normalizer=1.0, training=False)
+    tensors = setup.images.images.batch([1, 3])
+    mses, losses = [], []
+    for i, row in enumerate((1, 3)):
+        for k in range(3):
+            mse, t = by_hand(setup.unet, setup, tensors["latents"][i], tensors["prompt_embeds"][i],
+                             EVAL_STEP + k, row)  # fmt: skip
+            alpha = float(setup.parts.noise_scheduler.alphas_cumprod[t])
+            snr = alpha / (1 - alpha)
+            mses.append(mse / 3)
+            losses.append(mse * min(snr, gamma) / snr / 3)
+    assert float(out.metrics["mse"]) == pytest.approx(sum(mses), rel=1e-5)
+    assert float(out.metrics["loss"]) == pytest.approx(sum(losses), rel=1e-5)
+    one = DiffusionSFT(policy=setup.unet, denoise=denoising(setup), min_snr_gamma=None,
+                       pictures=None)  # fmt: skip
+    with torch.no_grad():
+        first = one.loss(one.collate([setup.images[1], setup.images[3]]), normalizer=1.0,
+                         training=False)  # fmt: skip
+    assert float(first.metrics["mse"]) == pytest.approx(sum(mses[0::3]) * 3, rel=1e-5)
+
+
 def test_a_rows_draw_is_its_own_and_held_out_draws_never_change(setup: Setup) -> None:
     denoise = denoising(setup)
     alone = denoise.collate_images([setup.images[2].at(5)]).draw

@@ -54,9 +54,11 @@ def test_shipped_files_equal_their_generator(generated) -> None:
 def test_set_sizes_and_columns(generated) -> None:
     assert {n: len(r) for n, r in generated.items()} == {
         "t2i-shapes": shapes.SFT_ROWS, "t2i-shapes-pref": shapes.PREF_TRAIN_ROWS,
-        "t2i-shapes-eval": 32, "t2i-shapes-pref-eval": 32,
+        "t2i-shapes-eval": 32, "t2i-shapes-pref-eval": 32, "t2i-shapes-val": shapes.VAL_ROWS,
     }  # fmt: skip
-    assert set(generated["t2i-shapes"][0]) == {"image", "text"}
+    assert (
+        set(generated["t2i-shapes"][0]) == set(generated["t2i-shapes-val"][0]) == {"image", "text"}
+    )
     assert set(generated["t2i-shapes-eval"][0]) == {"image", "text", "seed"}
     for name in ("t2i-shapes-pref", "t2i-shapes-pref-eval"):
         rows = generated[name]
@@ -74,12 +76,16 @@ def test_held_out_combinations_are_only_in_the_held_out_sets(generated) -> None:
     train_texts |= {r["caption"] for r in generated["t2i-shapes-pref"]}
     assert train_texts == {shapes.caption(c, s) for c, s in shapes.TRAIN_COMBOS}
     assert not train_texts & held_out
+    # the fine-tuning set's held-out pictures: its own combinations, none of its pictures
+    val = generated["t2i-shapes-val"]
+    assert {r["text"] for r in val} == train_texts
+    assert not {r["image"] for r in val} & {r["image"] for r in generated["t2i-shapes"]}
     assert {r["text"] for r in generated["t2i-shapes-eval"]} == held_out
     assert {r["caption"] for r in generated["t2i-shapes-pref-eval"]} == held_out
 
 
 def test_the_check_is_one_on_every_true_picture_and_zero_on_every_rejected_one(generated) -> None:
-    for name in ("t2i-shapes", "t2i-shapes-eval"):
+    for name in ("t2i-shapes", "t2i-shapes-val", "t2i-shapes-eval"):
         rows = generated[name]
         images = [shapes.decode_png(r["image"]) for r in rows]
         assert shapes.colour_match_rate(images, [r["text"] for r in rows]) == 1.0, name

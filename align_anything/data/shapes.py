@@ -17,6 +17,9 @@ Sets (parquet, because they hold PNG bytes; `data.path=<name>` selects one):
   `jpg_1` (PNG bytes), `label_0` (1: `jpg_0` is preferred, 0: `jpg_1`; each about half the
   time). The two images are the same shape at the same size and place; the preferred one has
   the caption's colour, the rejected one another colour. For Diffusion-DPO.
+- `t2i-shapes-val` (`VAL_ROWS` rows): `image` and `text` as `t2i-shapes`, new pictures (their
+  own sizes, places and brightness) of the same training combinations: the held-out set of
+  diffusion fine-tuning, from the distribution it trains on (its held-out denoising loss).
 - `t2i-shapes-eval` (32 rows): `text`, `image` (a true picture of the caption, for the held-out
   denoising loss) and `seed` (for the held-out generation check), on the held-out combinations.
 - `t2i-shapes-pref-eval` (32 pairs): held-out pairs in the Pick-a-Pic shape (the DPO eval loss).
@@ -70,6 +73,7 @@ TRAIN_COMBOS: tuple[tuple[str, str], ...] = tuple(
 
 SEED = 20250722
 SFT_ROWS = 512
+VAL_ROWS = 256
 PREF_TRAIN_ROWS = 512
 EVAL_ROWS = 32
 
@@ -86,6 +90,7 @@ _SUPERSAMPLE = 4  # drawn 4x larger and box-filtered down: smooth edges, as a ca
 # (file name) per built-in set name; `data/builtin.py` resolves the names through this.
 SHAPE_DATASETS: dict[str, str] = {
     "t2i-shapes": "t2i_shapes_train.parquet",
+    "t2i-shapes-val": "t2i_shapes_val.parquet",
     "t2i-shapes-pref": "t2i_shapes_pref_train.parquet",
     "t2i-shapes-eval": "t2i_shapes_eval.parquet",
     "t2i-shapes-pref-eval": "t2i_shapes_pref_eval.parquet",
@@ -276,6 +281,7 @@ def generate(seed: int = SEED) -> dict[str, list[dict]]:
         "t2i-shapes-pref": _pair_rows(random.Random(seed + 1), TRAIN_COMBOS, PREF_TRAIN_ROWS),
         "t2i-shapes-eval": _eval_rows(random.Random(seed + 2), EVAL_ROWS),
         "t2i-shapes-pref-eval": _pair_rows(random.Random(seed + 3), HELD_OUT, EVAL_ROWS),
+        "t2i-shapes-val": _picture_rows(random.Random(seed + 4), TRAIN_COMBOS, VAL_ROWS),
     }
 
 

@@ -8,7 +8,9 @@ generator, seeded by (run seed, optimizer step, the row's index in its split)
 (`forward_diffusion.draw_seed`): a sample's draw depends on nothing else, so 2 ranks compute
 what 1 rank does, any micro-batch split gives the same step, and a resumed run draws what the
 uninterrupted one drew. Held-out rows take the same draws at every evaluation (`EVAL_STEP`), so
-held-out losses before and after training compare the same noise.
+held-out losses before and after training compare the same noise; with `eval_draws` K > 1 each
+held-out image is scored at K such draws (`EVAL_STEP + k`, each from the training density), so
+the held-out loss is the mean of K times as many draws: the same expectation, less noise.
 """
 
 from __future__ import annotations
@@ -41,11 +43,18 @@ EVAL_STEP = 2**40
 
 @dataclass
 class ImageBatch:
-    """B captioned images: their cached tensors (`latents`, `prompt_embeds`, ...) and each
-    sample's noise draw."""
+    """B captioned images: their cached tensors (`latents`, `prompt_embeds`, ...), each
+    sample's noise draw, and for held-out rows scored at several draws
+    (`Denoising.eval_draws`) the further ones."""
 
     tensors: dict[str, Tensor]
     draw: NoiseDraw
+    further_draws: tuple[NoiseDraw, ...] = ()
+
+    @property
+    def all_draws(self) -> tuple[NoiseDraw, ...]:
+        """Every draw of these images: the first, then the further ones."""
+        return (self.draw, *self.further_draws)
 
     @property
     def size(self) -> int:
@@ -80,18 +89,28 @@ class Denoising:
     dtype: torch.dtype
     device: torch.device
     guidance: float  # Flux's guidance embedding in training
+    eval_draws: int = 1  # draws per held-out image (diffusion_sft.eval_draws)
 
-    def draws(self, rows: list[LatentRow], latent_shape: Any) -> NoiseDraw:
-        """Each row's noise and noise level, seeded by (seed, step, position in its split)."""
+    def draws(self, rows: list[LatentRow], latent_shape: Any, *, draw: int = 0) -> NoiseDraw:
+        """Each row's noise and noise level, seeded by (seed, step, position in its split); a
+        held-out row's `draw`-th draw by step `EVAL_STEP + draw`."""
         seeds = [
-            draw_seed(self.seed, EVAL_STEP if row.step is None else row.step, row.position)
+            draw_seed(self.seed, EVAL_STEP + draw if row.step is None else row.step, row.position)
             for row in rows
         ]
         return draw_noise(self.info, self.scheduler, latent_shape, seeds, sampling=self.sampling)
 
     def collate_images(self, rows: list[LatentRow]) -> ImageBatch:
+        """Rows as a batch with their draws: held-out rows with `eval_draws` of them."""
         tensors = row_tensors(rows)
-        return ImageBatch(tensors, self.draws(rows, tuple(tensors["latents"].shape[1:])))
+        shape = tuple(tensors["latents"].shape[1:])
+        held_out = all(row.step is None for row in rows)
+        further = range(1, self.eval_draws) if held_out else range(0)
+        return ImageBatch(
+            tensors,
+            self.draws(rows, shape),
+            tuple(self.draws(rows, shape, draw=k) for k in further),
+        )
 
     def collate_pairs(self, rows: list[LatentRow]) -> ImagePairBatch:
         chosen, rejected = row_tensors(rows)
@@ -118,8 +137,9 @@ class Denoising:
         )  # fmt: skip
 
 
-def denoising(run: Run, section: Any) -> Denoising:
-    """The run's denoising pass (the task section's noise-level density and Flux guidance)."""
+def denoising(run: Run, section: Any, *, eval_draws: int = 1) -> Denoising:
+    """The run's denoising pass (the task section's noise-level density and Flux guidance);
+    `eval_draws`: the draws each held-out image is scored at."""
     model: PipelineSide = run.model  # type: ignore[assignment]
     return Denoising(
         info=model.info, scheduler=model.parts.noise_scheduler,
@@ -127,7 +147,7 @@ def denoising(run: Run, section: Any) -> Denoising:
             section.timestep_sampling, section.logit_mean, section.logit_std, section.mode_scale
         ),
         seed=run.cfg.train.seed, dtype=next(run.policy.module.parameters()).dtype,
-        device=run.policy.device, guidance=section.flux_guidance,
+        device=run.policy.device, guidance=section.flux_guidance, eval_draws=eval_draws,
     )  # fmt: skip
 
 

@@ -5,13 +5,17 @@ v-prediction), averaged over every image of the global batch. The VAE and the te
 stay frozen; images and captions come encoded from the latent cache.
 
 Logged: `loss` (the weighted loss), `mse` (the plain MSE); held out: `eval/loss`, `eval/mse`
-at fixed draws, `eval/image_check` for built-in data.
+at fixed draws (`diffusion_sft.eval_draws` K of them per image, each image's loss their mean:
+the expectation of one draw, the part of its variance that comes from the draws K times
+smaller), `eval/image_check` for built-in data.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from align_anything.config import RunConfig
 from align_anything.errors import ConfigError
@@ -70,15 +74,21 @@ class DiffusionSFT:
         pass  # no statistic over the step
 
     def loss(self, batch: ImageBatch, *, normalizer: float, training: bool) -> LossOutput:
-        mse = self.denoise.mse(self.policy, batch)
-        weights = None
-        if self.min_snr_gamma is not None:
-            info = self.denoise.info
-            snr = signal_to_noise(info, self.denoise.scheduler, batch.draw).to(mse.device)
-            weights = min_snr_weights(snr, gamma=self.min_snr_gamma, prediction=info.prediction)
-        losses = denoising_loss(mse, weights=weights)
-        metrics = {"loss": losses.detach().sum(), "mse": mse.detach().sum()}
-        return LossOutput({"policy": losses.sum() / normalizer}, metrics)
+        # One draw per image in training; a held-out image's loss is the mean over its draws
+        # (one forward pass per draw, so evaluation needs no more memory than a training step).
+        mses, losses = [], []
+        for draw in batch.all_draws:
+            mse = self.denoise.mse(self.policy, replace(batch, draw=draw, further_draws=()))
+            weights = None
+            if self.min_snr_gamma is not None:
+                info = self.denoise.info
+                snr = signal_to_noise(info, self.denoise.scheduler, draw).to(mse.device)
+                weights = min_snr_weights(snr, gamma=self.min_snr_gamma, prediction=info.prediction)
+            mses.append(mse)
+            losses.append(denoising_loss(mse, weights=weights))
+        mse, loss = torch.stack(mses).mean(0), torch.stack(losses).mean(0)
+        metrics = {"loss": loss.detach().sum(), "mse": mse.detach().sum()}
+        return LossOutput({"policy": loss.sum() / normalizer}, metrics)
 
     def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         return metrics
@@ -95,11 +105,16 @@ class DiffusionSFT:
 
 def build(run: Run) -> tuple[DiffusionSFT, RowBatches]:
     section = run.cfg.diffusion_sft
-    denoise = denoising(run, section)
+    denoise = denoising(run, section, eval_draws=section.eval_draws)
     task = DiffusionSFT(
         policy=run.policy, denoise=denoise, min_snr_gamma=section.min_snr_gamma,
         pictures=pictures(run, section),
     )  # fmt: skip
+    if section.eval_draws > 1:
+        run.summary.append(
+            f"  held-out loss   each held-out image at {section.eval_draws} fixed noise draws "
+            "(the same at every evaluation), its loss their mean"
+        )
     if section.min_snr_gamma is not None:
         run.summary.append(
             f"  loss            the {denoise.info.prediction} MSE weighted by min-SNR-gamma "
