@@ -561,10 +561,6 @@ def test_zero3_starts_from_the_same_loss_as_zero0_and_is_partitioned() -> None:
     assert all(n == 0 for n in zero3["local_numel_loaded"])
 
 
-if __name__ == "__main__":
-    print("ENGINE_PROBE " + json.dumps(_probe_engine(sys.argv[1])), flush=True)
-
-
 def test_a_stale_build_lock_of_the_offload_optimizer_is_one_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -574,12 +570,15 @@ def test_a_stale_build_lock_of_the_offload_optimizer_is_one_error(
     from align_anything.backend.engine import STALE_BUILD_LOCK_S, refuse_a_stale_build_lock
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    refuse_a_stale_build_lock("cpu_adam")  # no build folder at all
+    refuse_a_stale_build_lock("cpu_adam")  # no lock (nor build) yet
     lock = tmp_path / "cpu_adam" / "lock"
-    lock.parent.mkdir()
     lock.touch()
     created = lock.stat().st_mtime
     refuse_a_stale_build_lock("cpu_adam", now=created + 60)  # a build in progress
     with pytest.raises(ConfigError, match="left 16 minutes ago") as err:
         refuse_a_stale_build_lock("cpu_adam", now=created + STALE_BUILD_LOCK_S + 60)
     assert str(lock) in str(err.value) and "delete that file" in str(err.value)
+
+
+if __name__ == "__main__":
+    print("ENGINE_PROBE " + json.dumps(_probe_engine(sys.argv[1])), flush=True)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -80,14 +78,11 @@ def refuse_a_stale_build_lock(op: str, *, now: float | None = None) -> None:
     for it to go away, silently and forever (`torch.utils.file_baton.FileBaton.wait`). The lock
     records no owner, so its age is the sign: older than `STALE_BUILD_LOCK_S` is an error naming
     the file; a younger one is another process's build in progress, which the load waits for."""
-    from torch.utils.cpp_extension import get_default_build_root
+    # The folder exactly as the loader names it (TORCH_EXTENSIONS_DIR, or torch's default with
+    # its Python and accelerator tag); it creates the folder, as the build would.
+    from torch.utils.cpp_extension import _get_build_directory
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:  # torch's default: <root>/py311_cpu (or _cu126, ...)
-        accel = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-        tag = f"py{sys.version_info.major}{sys.version_info.minor}_{accel}"
-        root = os.path.join(get_default_build_root(), tag)
-    lock = Path(root) / op / "lock"
+    lock = Path(_get_build_directory(op, verbose=False)) / "lock"
     try:
         age = (time.time() if now is None else now) - lock.stat().st_mtime
     except FileNotFoundError:
