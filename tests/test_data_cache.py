@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import itertools
 import json
 from pathlib import Path
 
@@ -33,10 +34,11 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def hh_sample(tmp_path_factory) -> Path:
-    """The first 120 HH-RLHF pairs (a few of them too long for max_length=256: dropped)."""
+    """The first 120 HH-RLHF pairs, or all the file has (the sample shipped in tests/data holds 64);
+    a few of them are too long for max_length=256 and dropped."""
     path = tmp_path_factory.mktemp("hh") / "hh.jsonl"
     with gzip.open(HH_FILE, "rt") as handle:
-        path.write_text("".join(next(handle) for _ in range(120)))
+        path.write_text("".join(itertools.islice(handle, 120)))
     return path
 
 
@@ -196,9 +198,17 @@ def test_a_mixture_shows_each_source_and_is_deterministic(tokenizer, hh_sample, 
            Source("arith-pref", "auto", {}, weight=1.0))  # fmt: skip
     s = spec(str(hh_sample), Encoding("preference"), train=mix)
     got = prepare(s, tokenizer, tmp_path / "a")
-    # 86 rows each: 10% of each source (arith-pref: 10 of 96) held out before mixing.
-    assert got.mixture[0] == "train mixture of 2 sources, 172 rows:"
-    assert "86 rows ( 50.0%)" in got.mixture[1] and "arith-pref, weight=1" in got.mixture[2]
+    # Equal weights: as many records from each as the scarcer source's training split holds,
+    # each split what is left of the source's own records after 10% are held out (before
+    # mixing, and before any row is dropped for its length): arith-pref 86 of 96.
+    from align_anything.data.formats import split_records
+
+    records = len(hh_sample.read_text().splitlines())
+    hh_train = len(split_records(range(records), eval_fraction=0.1, seed=7)[0])
+    assert hh_train == records - round(0.1 * records)
+    each = min(hh_train, 86)
+    assert got.mixture[0] == f"train mixture of 2 sources, {2 * each} rows:"
+    assert f"{each} rows ( 50.0%)" in got.mixture[1] and "arith-pref, weight=1" in got.mixture[2]
     assert [r.source for r in got.reports[:2]] == [str(hh_sample), "arith-pref (built-in)"]
     again = prepare(s, tokenizer, tmp_path / "b")
     assert [got.train[i] for i in range(len(got.train))] == [
