@@ -20,7 +20,7 @@ import torch
 from align_anything.config import PPOSection
 from align_anything.models import loading, zoo
 from align_anything.models.value import ValueModel, load_critic
-from align_anything.tasks import online
+from align_anything.tasks import online, rollouts
 from align_anything.tasks.ppo import PPO
 
 PATH = zoo.resolve_model_path("tiny-random-llama")
@@ -149,8 +149,8 @@ def test_one_ppo_step_against_a_hand_computation(models) -> None:
     task = make_task(policy, critic, rl)
     batch = task.collate(ROWS)
     # The round's no-grad passes, as `Rollouts` runs them.
-    rollouts = SimpleNamespace(task=task, reference=reference)
-    online.Rollouts.no_grad_passes(rollouts, batch)  # type: ignore[arg-type]
+    source = SimpleNamespace(task=task, reference=reference)
+    rollouts.Rollouts.no_grad_passes(source, batch)  # type: ignore[arg-type]
     with torch.no_grad():
         old = [row_alone(policy, row) for row in ROWS]
         ref = [row_alone(reference, row) for row in ROWS]
@@ -226,7 +226,7 @@ def test_critic_only_warmup_steps_train_no_policy(models) -> None:
     policy, reference, critic = models
     task = make_task(policy, critic, ppo(critic_warmup_steps=1))
     batch = task.collate(ROWS)
-    online.Rollouts.no_grad_passes(SimpleNamespace(task=task, reference=reference), batch)  # type: ignore[arg-type]
+    rollouts.Rollouts.no_grad_passes(SimpleNamespace(task=task, reference=reference), batch)  # type: ignore[arg-type]
     task.algorithm.attach_advantages([batch], torch.tensor(SCORES), rank=0, world=1)
     task.algorithm.for_step([batch], 0)
     out = task.loss(batch, normalizer=14.0, training=True)
@@ -244,7 +244,7 @@ def test_reinforce_plus_plus_advantages_by_hand(models, baseline: bool) -> None:
     rl = ppo(advantage_estimator=estimator, reward_clip=None)
     task = make_task(policy, None, rl)
     batch = task.collate(ROWS)
-    online.Rollouts.no_grad_passes(SimpleNamespace(task=task, reference=reference), batch)  # type: ignore[arg-type]
+    rollouts.Rollouts.no_grad_passes(SimpleNamespace(task=task, reference=reference), batch)  # type: ignore[arg-type]
     assert batch.values is None
     task.algorithm.attach_advantages([batch], torch.tensor(SCORES), rank=0, world=1)
     scores = list(SCORES)
@@ -279,13 +279,13 @@ def test_a_round_cut_into_records_and_back_is_the_same_batch(models) -> None:
     policy, reference, critic = models
     task = make_task(policy, critic, ppo())
     batch = task.collate(ROWS)
-    online.Rollouts.no_grad_passes(SimpleNamespace(task=task, reference=reference), batch)  # type: ignore[arg-type]
+    rollouts.Rollouts.no_grad_passes(SimpleNamespace(task=task, reference=reference), batch)  # type: ignore[arg-type]
     task.algorithm.attach_advantages([batch], torch.tensor(SCORES), rank=0, world=1)
     # Importance weights of a vLLM round (rollout.importance_sampling), 0 past each completion.
     batch.is_weights = torch.rand(batch.loss_mask.shape) * batch.completion_mask()
-    records = online.split_batch(batch, [r["row"] for r in ROWS])
+    records = rollouts.split_batch(batch, [r["row"] for r in ROWS])
     assert [r["completion_ids"] for r in records] == [r["completion_ids"] for r in ROWS]
-    again = online.attach_records(task.collate(ROWS), records)
+    again = rollouts.attach_records(task.collate(ROWS), records)
     for name in online.ATTACHED:
         assert torch.equal(getattr(again, name), getattr(batch, name)), name
 
@@ -302,8 +302,8 @@ def test_each_mini_batch_is_the_same_set_on_one_and_two_ranks() -> None:
             batch=SimpleNamespace(global_batch=8, micro_batch=8 // world // 2, grad_accum=2),
             micro_batches=lambda part: [r["row"] for r in part],
         )  # fmt: skip
-        current = online.Round(3, [], {}, 1.0, samples=records)
-        return online.Rollouts.mini_batch(fake, current, within)  # type: ignore[arg-type]
+        current = rollouts.Round(3, [], {}, 1.0, samples=records)
+        return rollouts.Rollouts.mini_batch(fake, current, within)  # type: ignore[arg-type]
 
     for within in range(4):  # 2 passes x 2 mini-batches
         one = chosen(1, 0, within)

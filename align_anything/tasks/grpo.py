@@ -2,7 +2,7 @@
 token-level aggregation and Dr. GRPO's constant normaliser (`grpo.loss_type`), as TRL 1.16's
 `GRPOTrainer` (token-level importance sampling).
 
-The round (generation, rewards, no-grad passes) is `online.Rollouts`'; this file gives the
+The round (generation, rewards, no-grad passes) is `rollouts.Rollouts`'; this file gives the
 group-relative advantages (`losses.group_advantages`, `grpo.scale_rewards`) and the per-token
 clipped loss with the k3 KL term (`losses.grpo_per_token_loss`), aggregated with
 `losses.loss_sum` over `losses.loss_items` items: completions for grpo / dr_grpo, completion
@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor
 
 from align_anything.losses import group_advantages, grpo_per_token_loss, loss_items, loss_sum
-from align_anything.tasks import online
+from align_anything.tasks import online, rollouts
 from align_anything.training.run import Run
 from align_anything.training.task import TaskSpec
 
@@ -72,8 +72,8 @@ class GRPO(online.SequenceAdvantages):
         return {"policy": total / normalizer}, metrics
 
 
-def build(run: Run) -> tuple[online.OnlineRL, online.Rollouts]:
-    return online.build_online(run, GRPO(run.cfg.grpo))
+def build(run: Run) -> tuple[online.OnlineRL, rollouts.Rollouts]:
+    return rollouts.build_online(run, GRPO(run.cfg.grpo))
 
 
 SPEC = TaskSpec(

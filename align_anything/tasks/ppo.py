@@ -3,7 +3,7 @@
 2025): the `online.Algorithm` of task=ppo, the critic (a second trained engine) and the ptx
 rows. Definitions are OpenRLHF's (`losses/ppo.py` says where verl and TRL differ).
 
-The round is `online.Rollouts`' (generation with per-completion seeds, rewards, the no-grad
+The round is `rollouts.Rollouts`' (generation with per-completion seeds, rewards, the no-grad
 passes); this file adds, per round:
 
 1. the critic's values of every completion token (no grad, at generation time; gae only) and
@@ -15,7 +15,7 @@ passes); this file adds, per round:
    REINFORCE++'s discounted returns; whitened over the whole round (every rank's tokens: the
    moments are all-reduced, so the split over ranks changes nothing).
 
-and per optimizer step (one mini-batch of the round, `online.Rollouts`):
+and per optimizer step (one mini-batch of the round, `rollouts.Rollouts`):
 
 - actor: PPO-clip per token (with optional dual clip) on the whitened advantages, aggregated as
   GRPO's dapo (the token mean over the global mini-batch), plus `ptx_coef` × the SFT loss
@@ -67,7 +67,7 @@ from align_anything.models import loading, zoo
 from align_anything.models.prepare import prepare_for_training
 from align_anything.models.value import ValueModel, check_critic_folder, load_critic
 from align_anything.plan import DeepSpeedPlan
-from align_anything.tasks import online
+from align_anything.tasks import online, rollouts
 from align_anything.training.run import Data, ModelSide, Run, Schedule
 from align_anything.training.setup import build_extra_data
 from align_anything.training.sources import RowBatches
@@ -413,7 +413,7 @@ def ptx_batches(run: Run) -> RowBatches | None:
     )  # fmt: skip
 
 
-def build(run: Run) -> tuple[online.OnlineRL, online.Rollouts]:
+def build(run: Run) -> tuple[online.OnlineRL, rollouts.Rollouts]:
     cfg = run.cfg
     rl = cfg.ppo
     critic = run.engines.get(CRITIC)
@@ -432,7 +432,7 @@ def build(run: Run) -> tuple[online.OnlineRL, online.Rollouts]:
         f"{rl.kl_coef:g} per token in the reward; each round {rl.num_ppo_epochs} pass(es) x "
         f"{rl.num_mini_batches} mini-batch(es)"
     )
-    return online.build_online(run, algorithm)
+    return rollouts.build_online(run, algorithm)
 
 
 SPEC = TaskSpec(

@@ -21,7 +21,7 @@ from align_anything.losses import (
     rloo_reward_with_kl,
     rloo_sequence_kl,
 )
-from align_anything.tasks import online
+from align_anything.tasks import online, rollouts
 from align_anything.training.run import Run
 from align_anything.training.task import TaskSpec
 
@@ -84,8 +84,8 @@ class RLOO(online.SequenceAdvantages):
         return {"policy": total / normalizer}, metrics
 
 
-def build(run: Run) -> tuple[online.OnlineRL, online.Rollouts]:
-    return online.build_online(run, RLOO(run.cfg.rloo, run.ds_plan.batch.global_batch))
+def build(run: Run) -> tuple[online.OnlineRL, rollouts.Rollouts]:
+    return rollouts.build_online(run, RLOO(run.cfg.rloo, run.ds_plan.batch.global_batch))
 
 
 SPEC = TaskSpec(

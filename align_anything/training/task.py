@@ -114,7 +114,7 @@ class StepBatches:
 
 class StepSource(Protocol):
     """Where each step's micro-batches come from: seeded batches of encoded rows
-    (`sources.RowBatches`), or online RL's generation rounds (`tasks.online.Rollouts`)."""
+    (`sources.RowBatches`), or online RL's generation rounds (`tasks.rollouts.Rollouts`)."""
 
     def step(self, step: int) -> StepBatches:
         """This rank's micro-batches of optimizer step `step` (0-based). Collective."""
