@@ -43,7 +43,7 @@ from common import REPO_ROOT, child_env, run_child
 
 sys.path.insert(0, str(REPO_ROOT))
 
-from align_anything.data.formats import parse_hh  # noqa: E402
+from align_anything.data.convert import parse_hh  # noqa: E402
 
 HH_FULL = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 HH_SAMPLE = REPO_ROOT / "tests" / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"

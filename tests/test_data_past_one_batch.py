@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import TINY_MODEL, launch
 
-from align_anything.data.formats import LABEL_SHAPE
+from align_anything.data.convert import LABEL_SHAPE
 from align_anything.data.synthetic import make_dataset
 
 pytestmark = pytest.mark.slow

@@ -19,8 +19,9 @@ import torch
 from align_anything.data import collate_unpaired
 from align_anything.data.batches import SharedPrefix
 from align_anything.data.builtin import BUILTIN_DATASETS, builtin_path, generate, to_jsonl
+from align_anything.data.convert import RowRejected, parse_label
 from align_anything.data.encode import encode_unpaired
-from align_anything.data.formats import RowRejected, check_kind, load_records, parse_label, unpair
+from align_anything.data.formats import check_kind, load_records, unpair
 from align_anything.data.layouts import supports_shared_prompt
 from align_anything.errors import DataError
 from align_anything.forward import completion_forward, sequence_logps

@@ -28,7 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from align_anything.data.formats import SOURCE_ROW, DataReport, RowRejected, as_messages, row_label
+from align_anything.data.convert import RowRejected, as_messages
+from align_anything.data.formats import SOURCE_ROW, DataReport, row_label
 from align_anything.errors import ConfigError, ModelError, did_you_mean
 
 TRUNCATION_MODES = ("drop", "truncate_prompt", "truncate_completion")

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from align_anything.data.convert import RowRejected
 from align_anything.data.encode import (
     CUT_MEDIA,
     ENCODED_COLUMNS,
@@ -45,7 +46,6 @@ from align_anything.data.formats import (
     SOURCE_ROW,
     DataReport,
     OpenedSource,
-    RowRejected,
     check_margins,
     check_source_kind,
     open_source,

@@ -41,14 +41,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from align_anything.data.convert import RowRejected, as_messages
 from align_anything.data.encode import _check_arguments, _is_empty, _template_ids
-from align_anything.data.formats import (
-    SOURCE_ROW,
-    DataReport,
-    RowRejected,
-    as_messages,
-    row_label,
-)
+from align_anything.data.formats import SOURCE_ROW, DataReport, row_label
 from align_anything.data.media import MEDIA_KEYS
 from align_anything.errors import ConfigError, did_you_mean
 

@@ -22,7 +22,7 @@ from align_anything.errors import DataError, ModelError, UserError, check_output
 
 
 def _messages(row: dict[str, Any], name: str) -> list[dict[str, str]]:
-    from align_anything.data.formats import RowRejected, as_messages
+    from align_anything.data.convert import RowRejected, as_messages
 
     try:
         if "messages" in row:

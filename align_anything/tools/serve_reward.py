@@ -56,8 +56,8 @@ class RewardScorer:
         self._lock = threading.Lock()  # one forward at a time: the threads share the model
 
     def _ids(self, index: int, prompt: Any, completion: Any) -> list[int]:
+        from align_anything.data.convert import RowRejected, as_messages
         from align_anything.data.encode import reward_model_ids
-        from align_anything.data.formats import RowRejected, as_messages
 
         if not isinstance(completion, str):
             raise BadRequest(f"completions[{index}] is a {type(completion).__name__}, not text")
