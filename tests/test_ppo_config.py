@@ -1,4 +1,4 @@
-"""The config sections PPO and remote rewards need (align_anything/config.py): `PPOSection`
+"""The config sections PPO and remote rewards need (align_anything/config_sections.py): `PPOSection`
 (validated on its own until `task=ppo` is wired) and `reward.remote` (in grpo / rloo today)."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from align_anything import config as config_module
+from align_anything import config_sections as config_module
 from align_anything import losses
-from align_anything.config import PPOSection, load_config
+from align_anything.config import load_config
+from align_anything.config_sections import PPOSection
 from align_anything.errors import ConfigError
 from align_anything.models import value
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from align_anything.config import PPOSection
+from align_anything.config_sections import PPOSection
 from align_anything.models import loading, zoo
 from align_anything.models.value import ValueModel, load_critic
 from align_anything.tasks import online, rollouts

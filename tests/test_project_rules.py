@@ -101,7 +101,7 @@ def test_only_the_backend_imports_deepspeed_and_torch_distributed() -> None:
 LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"base": ("errors", "atomic")},
     {"losses": ("losses",)},
-    {"config": ("config",)},
+    {"config": ("config", "config_sections")},
     {"backend": ("backend",), "data": ("data",)},
     {"models": ("models",), "rewards": ("rewards", "rewards_remote")},
     {"forward": ("forward", "forward_diffusion")},

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from align_anything import atomic
-from align_anything.config import names_a_missing_folder
+from align_anything.config_sections import names_a_missing_folder
 from align_anything.errors import ModelError
 from align_anything.models import t2i_shapes
 from align_anything.models.diffusion.tiny import BUILTIN_PIPELINES

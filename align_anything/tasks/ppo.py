@@ -43,7 +43,8 @@ from align_anything.backend import distributed as comm
 from align_anything.backend import ds_config as dsc
 from align_anything.backend.engine import Engine
 from align_anything.backend.zero_init import model_init_context
-from align_anything.config import PPOSection, RunConfig
+from align_anything.config import RunConfig
+from align_anything.config_sections import PPOSection
 from align_anything.data import IGNORE_INDEX, collate_sft
 from align_anything.data.encode import Encoding
 from align_anything.errors import ConfigError
