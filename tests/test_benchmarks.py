@@ -17,6 +17,7 @@ import data_scale  # noqa: E402  (imports without TRL: TRL is imported in its ch
 import diffusion_dpo  # noqa: E402
 import diffusion_dpo_plain  # noqa: E402
 import dpo_vs_trl  # noqa: E402
+import generate_paired  # noqa: E402, F401
 import gpu_bench  # noqa: E402
 import grpo_vs_trl  # noqa: E402
 import kto_vs_trl  # noqa: E402
