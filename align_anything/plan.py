@@ -166,6 +166,8 @@ def resolve_deepspeed(
         bf16_supported=bf16_supported,
         explicit=cfg.explicit_keys,
     )
+    if world_size == 1 and dsc.zero_stage_of(config) == 3:
+        notes.append(dsc.one_process_zero3_note(precision))
     universal = None
     if resume is not None:
         folder, state = resume

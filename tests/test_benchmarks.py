@@ -25,6 +25,7 @@ import ppo_vs_trl  # noqa: E402  (imports without TRL: TRL is imported in its ch
 import sft_packing  # noqa: E402
 import sft_vs_trl  # noqa: E402
 import trl_child  # noqa: E402, F401  (imports without TRL: TRL is imported inside main)
+import zero3_one_process  # noqa: E402
 
 from align_anything.training.batching import step_indices  # noqa: E402
 
@@ -245,3 +246,28 @@ def test_diffusion_dpo_benchmark_gives_both_sides_the_same_work(tmp_path: Path) 
     )  # fmt: skip
     assert cfg.train.lr_scheduler == plain.lr_scheduler == "constant"
     assert plain.warmup_steps == 0 and cfg.train.warmup_ratio == 0.0
+
+
+def test_zero3_one_process_ratios_are_medians_over_the_baselines() -> None:
+    """Step-loop time is the sum of the logged step times; each variant's median over repeats
+    divided by ZeRO-0's median."""
+
+    def run(steps: list[float], rss: float) -> common.RunRecord:
+        return common.RunRecord("x", seconds=99.0, step_seconds=steps, tokens=0,
+                                peak_rss_mib=rss, first_step={})  # fmt: skip
+
+    records = {
+        "z0": [run([4.0, 6.0], 1000.0), run([5.0, 5.0], 3000.0), run([6.0, 6.0], 2000.0)],
+        "z3": [run([6.0, 6.0], 2200.0), run([9.0, 9.0], 3300.0), run([6.0, 9.0], 1100.0)],
+    }
+    assert zero3_one_process.step_loop_seconds(records["z3"][2]) == 15.0
+    found = zero3_one_process.ratios(records)
+    assert found["z0"] == (1.0, 1.0)
+    # z0 medians: 10 s, 2000 MiB; z3: 15 s, 2200 MiB.
+    assert found["z3"] == pytest.approx((1.5, 1.1))
+    variants = zero3_one_process.variants(576)
+    assert variants["z0"] == ["deepspeed=z0"]
+    assert (
+        "deepspeed.zero_optimization.stage3_param_persistence_threshold=5760"
+        in (variants["z3 h-buckets"])
+    )

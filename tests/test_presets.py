@@ -23,6 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # when run as a script (the engine probe below)
     sys.path.insert(0, str(REPO_ROOT))
 
+from align_anything.backend.ds_config import ONE_PROCESS_ZERO3  # noqa: E402
 from align_anything.config import PRESET_DIR, TASK_DIR, load_config, load_preset  # noqa: E402
 from align_anything.errors import ConfigError  # noqa: E402
 
@@ -45,6 +46,13 @@ def find_auto(node: Any, path: str = "") -> list[str]:
     if isinstance(node, list):
         return [p for i, v in enumerate(node) for p in find_auto(v, f"{path}[{i}]")]
     return [path] if node == "auto" else []
+
+
+def one_process_zero3(preset: dict[str, Any]) -> bool:
+    """A ZeRO-3 preset without parameter offload: one process resolves its "auto" persistence
+    threshold and prefetch bucket to `ds_config.ONE_PROCESS_ZERO3`."""
+    zero = preset["zero_optimization"]
+    return zero["stage"] == 3 and zero.get("offload_param", {}).get("device", "none") == "none"
 
 
 def resolve(preset: dict[str, Any], **overrides: Any) -> tuple[dict[str, Any], Any, str]:
@@ -149,6 +157,15 @@ def test_preset_works_unchanged_in_hf_trainer(
         if preset["zero_optimization"].get(key) == "auto":
             assert zero[key] == expected_buckets[key], key
     assert zero["stage"] == preset["zero_optimization"]["stage"]
+    if one_process_zero3(preset):
+        # Where we choose differently on purpose: ZeRO-3 in one process without parameter
+        # offload persists every parameter and prefetches nothing (ds_config.ONE_PROCESS_ZERO3);
+        # HF fills them from h. Put HF's fills in for the key-for-key comparison below.
+        filled = json.loads(json.dumps(filled))
+        filled["zero_optimization"].update(
+            {key: ONE_PROCESS_ZERO3[key] for key in ONE_PROCESS_ZERO3
+             if preset["zero_optimization"].get(key) == "auto"}
+        )  # fmt: skip
 
     # Our resolution of the same preset with the same numbers agrees with HF's key for key;
     # accelerate only rewrites steps_per_print (to silence DeepSpeed's logging).
@@ -200,6 +217,12 @@ def test_resolution_fills_every_auto(name: str, world_size: int) -> None:
         "stage3_prefetch_bucket_size": 298_598,  # int(0.9 × 576²)
         "stage3_param_persistence_threshold": 5_760,  # 10 × 576
     }
+    if world_size == 1 and one_process_zero3(preset):
+        # One process: every parameter persists (a partition is the whole parameter), nothing
+        # is prefetched. With parameter offload (z3_offload) or 2 ranks, the h-based fills.
+        expected.update(
+            stage3_prefetch_bucket_size=0, stage3_param_persistence_threshold=sys.maxsize
+        )
     for key in BUCKET_KEYS:
         if shipped_zero.get(key) == "auto":
             assert zero[key] == expected[key], key
@@ -559,6 +582,36 @@ def test_zero3_starts_from_the_same_loss_as_zero0_and_is_partitioned() -> None:
     # the local tensor is empty.
     assert zero3["ds_numel"] == zero0["full_numel"]
     assert all(n == 0 for n in zero3["local_numel_loaded"])
+
+
+@pytest.mark.slow
+def test_zero3_in_one_process_trains_the_numbers_of_the_h_based_settings(tmp_path: Path) -> None:
+    """One process: ZeRO-3's one-process resolution (every parameter persists, nothing is
+    prefetched) is a change of time and memory only. DPO with its precomputed reference logs
+    exactly the losses, gradient norms and eval metrics of ZeRO-3 with the h-based fills (10·h
+    persistence threshold, 0.9·h² prefetch bucket: the tiny model's 64×64 matrices are then
+    fetched and released module by module), and the start-up summary says what ZeRO-3 costs
+    in one process."""
+    from conftest import DPO_ARGS, RECIPE_STEPS, launch
+
+    one = launch([*DPO_ARGS, "deepspeed=z3"], tmp_path / "one-process").check()
+    h = TINY_HIDDEN
+    previous = launch(
+        [*DPO_ARGS, "deepspeed=z3",
+         f"deepspeed.zero_optimization.stage3_param_persistence_threshold={10 * h}",
+         f"deepspeed.zero_optimization.stage3_prefetch_bucket_size={int(0.9 * h * h)}"],
+        tmp_path / "h-based",
+    ).check()  # fmt: skip
+    resolved = json.loads((tmp_path / "one-process" / "ds_config.json").read_text())
+    assert resolved["zero_optimization"]["stage3_param_persistence_threshold"] == sys.maxsize
+    assert resolved["zero_optimization"]["stage3_prefetch_bucket_size"] == 0
+    assert len(one.losses()) == RECIPE_STEPS
+    assert one.losses() == previous.losses()
+    norms = [[m["grad_norm"] for m in run.train_steps()] for run in (one, previous)]
+    assert norms[0] == norms[1]
+    assert one.eval("after") == previous.eval("after")
+    line = one.summary_line("one process")
+    assert "fp32 master copy" in line and "deepspeed=z0" in line
 
 
 def test_a_stale_build_lock_of_the_offload_optimizer_is_one_error(

@@ -362,3 +362,32 @@ def test_only_a_launchers_environment_counts_as_launched(monkeypatch) -> None:
     monkeypatch.delenv("LOCAL_SIZE")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
     assert launched_by_launcher()
+
+
+@pytest.mark.slow
+def test_a_released_zero3_reference_is_freed(one_process_group: comm.DistInfo) -> None:
+    """A precomputed reference is released before training. Under ZeRO-3, DeepSpeed 0.19.8 keeps
+    a destroyed engine's module alive (a module-level list and a class-level cache hold it), so
+    its weights stayed resident through training until `release` dropped those references: the
+    model and its parameters are garbage once released, and still usable before."""
+    import gc
+    import weakref
+
+    from align_anything.backend import ds_config as dsc
+    from align_anything.backend.engine import InferenceEngine
+    from align_anything.backend.zero_init import forget, model_init_context
+
+    z3 = {**Z0, "zero_optimization": {"stage": 3}}
+    with model_init_context(z3):
+        model = tiny()
+    frozen = InferenceEngine(model, dsc.inference_config(z3, offload=False))
+    assert frozen.stage == 3
+    module, param = weakref.ref(model), weakref.ref(next(model.parameters()))
+    del model
+    ids = torch.tensor([[5, 6, 7, 8]])
+    for _ in range(3):  # a complete trace: DeepSpeed caches which parameters to release
+        frozen(input_ids=ids)
+    frozen.release()
+    gc.collect()
+    forget()
+    assert module() is None and param() is None

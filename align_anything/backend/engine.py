@@ -4,6 +4,7 @@ checkpoints, full weights) and `InferenceEngine` (a reference model without grad
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -403,7 +404,31 @@ class InferenceEngine:
     def release(self) -> None:
         """Free the model (after precomputing what was needed from it)."""
         if self.engine is not None:
+            module = self.engine.module
             self.engine.destroy()
+            forget_zero3_module(module)
         self.engine = None
         self.module = None  # type: ignore[assignment]
         get_accelerator().empty_cache()
+
+
+def forget_zero3_module(module: torch.nn.Module) -> None:
+    """Let a destroyed ZeRO-3 engine's module be freed. DeepSpeed 0.19.8 keeps it alive for the
+    rest of the process: `parameter_offload.FWD_MODULE_STACK` (a module-level list) holds every
+    module a stage-3 engine wrapped, and the parameter coordinator's class-level `lru_cache` of
+    `__params_to_release` holds its sub-modules in its keys. Measured on the 135M-parameter main
+    job: the precomputed DPO reference's 0.5 GiB of weights stayed resident through training.
+    The cache is recomputed on demand (once per trace) for the engines still alive."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+        PartitionedParameterCoordinator,
+    )
+
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [kept for kept in stack if kept is not module]
+    # The cached function sits inside DeepSpeed's NVTX wrapper (a closure without `__wrapped__`).
+    wrapper = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()
+    gc.collect()  # the module and its hooks refer to each other
