@@ -261,10 +261,11 @@ def resolve_ds_config(
     return config, plan, resolved
 
 
-# Measured with benchmarks/zero3_one_process.py (the main job cut to 6 steps, 135M parameters
-# in fp32, 2 shared CPU cores at load average ~6, one thread per run), after the one-process
-# fills and the freed reference: ZeRO-3's step loop time and peak RSS over ZeRO-0's.
-ONE_PROCESS_ZERO3_MEASURED = (1.72, 1.66)
+# Measured on the main job (135M parameters in fp32, one thread per run; benchmarks/README.md,
+# "ZeRO-3 in one process"): ZeRO-3's CPU time per steady step (time.process_time: the wall
+# time of 2 shared cores swung 13-43 s per step with the load) and its peak RSS (os.wait4,
+# benchmarks/zero3_one_process.py) over ZeRO-0's.
+ONE_PROCESS_ZERO3_MEASURED = (1.15, 1.66)
 
 
 def one_process_zero3_note(precision: str) -> str:
@@ -280,8 +281,8 @@ def one_process_zero3_note(precision: str) -> str:
     return (
         "  one process     ZeRO-3 has no other rank to partition over, so it saves no memory here "
         f"while DeepSpeed keeps {copy}a flat gradient buffer between steps and a hook on every "
-        f"module (measured on the main job: {time_ratio:.2f}× the step time and {rss_ratio:.2f}× "
-        "the peak RSS of deepspeed=z0). For one process use deepspeed=z0 (or z2)."
+        f"module (measured on the main job: about {time_ratio:.2f}× the CPU time per step and "
+        f"{rss_ratio:.2f}× the peak RSS of deepspeed=z0). For one process use deepspeed=z0 (or z2)."
     )
 
 
