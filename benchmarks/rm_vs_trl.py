@@ -81,20 +81,20 @@ def fitting_pairs(count: int, *, max_length: int, source: Path | None = None) ->
     raise SystemExit(f"{source} has {len(chosen)} pairs within {max_length} tokens, not {count}")
 
 
-def seeded_reward_model(folder: Path, *, seed: int = SEED) -> Path:
-    """SmolLM2 with a one-output score head drawn once (transformers' init after seeding),
-    saved with its tokenizer as a reward-model folder both trainers load."""
+def seeded_reward_model(folder: Path, *, seed: int = SEED, model: str = MODEL) -> Path:
+    """The model (SmolLM2) with a one-output score head drawn once (transformers' init after
+    seeding), saved with its tokenizer as a reward-model folder both trainers load."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
     from align_anything.models.zoo import resolve_model_path
 
-    source = resolve_model_path(MODEL)
+    source = resolve_model_path(model)
     set_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(
+    scorer = AutoModelForSequenceClassification.from_pretrained(
         source, num_labels=1, dtype=torch.float32
     )
-    model.save_pretrained(folder)
+    scorer.save_pretrained(folder)
     AutoTokenizer.from_pretrained(source).save_pretrained(folder)
     return folder
 

@@ -204,7 +204,9 @@ def test_packed_shared_prompt_logps_equal_plain_pairs() -> None:
             batch = collate_preference(PACKABLE, pad_id=0)
             sums, counts = completion_forward(model, batch, completion_only=True)
         (sums * torch.linspace(1.0, 2.0, sums.shape[0])).sum().backward()
-        results.append((sums.detach(), counts, {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append(
+            (sums.detach(), counts, {n: p.grad.clone() for n, p in model.named_parameters()})
+        )
     (plain_sums, plain_counts, plain_grads), (sums, counts, grads) = results
     assert counts.tolist() == plain_counts.tolist() == [3, 1, 2, 1, 2, 4, 2, 1]
     torch.testing.assert_close(sums, plain_sums, rtol=1e-5, atol=1e-5)
