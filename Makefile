@@ -105,6 +105,7 @@ bench: setup
 	$(PY) benchmarks/dpo_vs_trl.py
 	$(PY) benchmarks/sft_vs_trl.py
 	$(PY) benchmarks/kto_vs_trl.py
+	$(PY) benchmarks/rm_vs_trl.py --threads 1
 	$(PY) benchmarks/sft_packing.py
 	$(PY) benchmarks/grpo_vs_trl.py
 

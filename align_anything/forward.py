@@ -9,7 +9,8 @@
   (online RL's ratio, KL and loss are per token).
 - `token_logps` / `selected_token_logps` / `completion_logps`: log p of target tokens from
   logits, chunked over the sequence so the fp32 softmax never exists for the whole batch.
-- `sequence_scores`: a reward model's score per sequence.
+- `sequence_scores`: a reward model's score per sequence; `shared_prefix_scores` the same for
+  a shared-prompt batch (a pair's chosen and rejected after one prompt).
 - `completion_token_logps` (with `…_and_entropy`), `completion_token_values`: online RL's
   per-token log-probs, entropy and critic values of the completion tokens, left-aligned [B, C];
   `sequence_token_logps_and_entropy` and `sequence_token_values` do the same for either layout
@@ -335,6 +336,44 @@ def sequence_scores(model: Any, batch: Rows) -> Tensor:
     token; a multimodal batch's dummy row (see `MediaSupport.attach`) is cut off."""
     output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **batch.media)
     return output.logits.squeeze(-1).float()[: batch.num_real]
+
+
+def shared_prefix_scores(model: Any, batch: SharedPrefix) -> Tensor:
+    """A reward model's score of each sequence of a shared-prefix batch ([S] fp32), read at
+    the sequence's last token (`batch.sequence_ends`).
+
+    The model's own forward (through the engine, so ZeRO-3 gathers as usual) applies its
+    one-output `score` head at every position and pools one position per row, which cannot
+    serve two sequences in one row: the head's per-position output [G, L, 1] is taken from
+    a forward hook instead, and the pooled output is left unused. The head is a
+    hidden → 1 projection, so scoring every position costs next to nothing."""
+    head = _score_head(model)
+    per_position: list[Tensor] = []
+    handle = head.register_forward_hook(lambda _m, _a, out: per_position.append(out))
+    try:
+        model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.shared_prefix_mask,
+            position_ids=batch.position_ids,
+            use_cache=False,
+        )
+    finally:
+        handle.remove()
+    if len(per_position) != 1:
+        raise RuntimeError(f"the score head ran {len(per_position)} times in one forward")
+    return per_position[0].reshape(-1)[batch.sequence_ends].float()
+
+
+def _score_head(model: Any) -> torch.nn.Module:
+    """The `score` module a reward model's forward calls (an engine's wrapped model; a PEFT
+    model's trained copy is called through the wrapper PEFT puts in its place)."""
+    module = model.module if not isinstance(model, torch.nn.Module) else model
+    if lora.is_peft_model(module):
+        module = module.get_base_model()
+    head = getattr(module, "score", None)
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(f"{type(module).__name__} has no `score` head")
+    return head
 
 
 def _plain_inputs(batch: Rows) -> dict[str, Any]:

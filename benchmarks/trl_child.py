@@ -3,11 +3,12 @@ sft_vs_trl.py in its own process, so that its peak RSS is its own).
 
     python benchmarks/trl_child.py SPEC.json
 
-SPEC holds: task (dpo|sft|kto|grpo|grpo_score), model_path, rows_path (JSONL in the order to train on), batch,
+SPEC holds: task (dpo|sft|kto|rm|grpo|grpo_score), model_path, rows_path (JSONL in the order to train on), batch,
 steps, max_length, learning_rate, adam betas/eps, weight_decay, max_grad_norm, seed,
 gradient_checkpointing, output_dir; beta (DPO, KTO); for DPO optionally loss_type (a list;
 default ["sigmoid"]), loss_weights, label_smoothing and discopop_tau; for KTO desirable_weight /
-undesirable_weight and precompute_ref_log_probs; for SFT optionally completion_only_loss
+undesirable_weight and precompute_ref_log_probs; for RM, model_path is a reward model's folder
+(TRL loads it itself, as `AutoModelForSequenceClassification`); for SFT optionally completion_only_loss
 (default true), packing (TRL's BFD, padding-free) and bin_order (the packed sequences' order);
 for GRPO num_generations, max_completion_length,
 temperature, top_p, loss_type, beta, epsilon (rows: a `prompt` and the `answer` field, rewarded
@@ -84,7 +85,11 @@ def main(spec_path: str) -> None:
     rows = [json.loads(line) for line in Path(spec["rows_path"]).read_text().splitlines() if line]
     torch.manual_seed(spec["seed"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    # A reward model is loaded by TRL's RewardTrainer itself (a causal LM here would only add
+    # to its peak RSS).
+    model = None
+    if spec["task"] != "rm":
+        model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     timer = StepTimer()
     reference_seconds: list[float] = []
     dataset = Dataset.from_list(rows)
@@ -108,6 +113,15 @@ def main(spec_path: str) -> None:
             ]
             for r in encoded
         ]
+    elif spec["task"] == "rm":
+        from trl import RewardConfig, RewardTrainer
+
+        args = RewardConfig(**common_args(spec), center_rewards_coefficient=None)
+        trainer = RewardTrainer(
+            model=spec["model_path"], args=args, train_dataset=dataset,
+            processing_class=tokenizer, callbacks=[timer],
+        )  # fmt: skip
+        lengths = [[len(r["chosen_ids"]), len(r["rejected_ids"])] for r in trainer.train_dataset]
     elif spec["task"] == "kto":
         from trl import KTOConfig, KTOTrainer
 

@@ -22,6 +22,7 @@ import gpu_bench  # noqa: E402
 import grpo_vs_trl  # noqa: E402
 import kto_vs_trl  # noqa: E402
 import ppo_vs_trl  # noqa: E402  (imports without TRL: TRL is imported in its child)
+import rm_vs_trl  # noqa: E402
 import sft_packing  # noqa: E402
 import sft_vs_trl  # noqa: E402
 import trl_child  # noqa: E402, F401  (imports without TRL: TRL is imported inside main)
@@ -271,3 +272,37 @@ def test_zero3_one_process_ratios_are_medians_over_the_baselines() -> None:
         "deepspeed.zero_optimization.stage3_param_persistence_threshold=5760"
         in (variants["z3 h-buckets"])
     )
+
+
+def test_rm_setup_takes_hh_pairs_that_fit_in_order() -> None:
+    rows = rm_vs_trl.fitting_pairs(4, max_length=512, source=rm_vs_trl.HH_SAMPLE)
+    assert all(m["role"] in ("user", "assistant") for r in rows for m in r["prompt"])
+    assert all(r["prompt"][-1]["role"] == "user" and r["chosen"] != r["rejected"] for r in rows)
+    setup = rm_vs_trl.build_setup(steps=2, batch=2, max_length=512, learning_rate=1e-5, rows=rows)
+    order = common.training_order(4, batch=2, steps=2)
+    assert setup.task == "rm" and setup.trl_rows == [rows[i] for i in order]
+    assert all(max(pair) <= 512 for pair in setup.token_lengths)
+    assert setup.tokens == sum(sum(pair) for pair in setup.token_lengths)
+    # Multi-turn HH prompts: each sequence holds its prompt, so the tokens exceed the system
+    # prompt's ~30 per sequence by far.
+    assert setup.tokens > 4 * 2 * 60
+    with pytest.raises(SystemExit, match="within 16 tokens"):
+        rm_vs_trl.fitting_pairs(1, max_length=16, source=rm_vs_trl.HH_SAMPLE)
+
+
+def test_rm_saved_head_loads_unchanged_in_both_loaders(tmp_path: Path) -> None:
+    """Both trainers start from the saved head: neither loader draws a new one."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from align_anything.models.loading import load_model
+
+    folder = rm_vs_trl.seeded_reward_model(tmp_path / "rm", model="tiny-random-llama")
+    torch.manual_seed(123)  # another RNG state: a newly drawn head would differ
+    ours = load_model(str(folder), reward=True, dtype=torch.float32)
+    theirs = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1)
+    again = rm_vs_trl.seeded_reward_model(tmp_path / "rm2", model="tiny-random-llama")
+    first = AutoModelForSequenceClassification.from_pretrained(again, num_labels=1)
+    assert torch.equal(ours.score.weight, theirs.score.weight)
+    assert torch.equal(first.score.weight, theirs.score.weight)  # the seed decides the head
+    assert float(theirs.score.weight.detach().abs().sum()) > 0

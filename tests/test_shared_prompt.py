@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from align_anything.data import collate_preference
+from align_anything.data.batches import SharedPrefix
 from align_anything.data.layouts import collate_shared_prompt, supports_shared_prompt
 from align_anything.forward import completion_forward, shared_prefix_logps
 from align_anything.models.zoo import resolve_model_path
@@ -18,6 +19,8 @@ ROWS = [
     {"prompt_ids": [20, 21], "chosen_ids": [22], "rejected_ids": [23, 24, 25, 26]},
     {"prompt_ids": [30, 31, 32], "chosen_ids": [33, 34], "rejected_ids": [33, 35]},
 ]
+# A fourth pair short enough to share a row with the second when rows are packed.
+PACKABLE = [*ROWS, {"prompt_ids": [40], "chosen_ids": [41], "rejected_ids": [42]}]
 
 
 def _model(attn: str) -> torch.nn.Module:
@@ -119,3 +122,94 @@ def test_shared_sft_prefix_equals_plain_rows() -> None:
     long_rows = [{"input_ids": [5, 6, 7, *range(10 + k, 27 + k)],
                   "labels": [ignore] * 3 + list(range(10 + k, 27 + k))} for k in (0, 100)]  # fmt: skip
     assert collate_shared_sft(long_rows, pad_id=0, additive_mask_dtype=None) is None
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_shared_prompt_rm_equals_plain_pairs(attn: str) -> None:
+    """A reward model's pairs as shared-prompt rows give the plain path's scores, loss and
+    gradients (the score read at each answer's last token, not at each row's)."""
+    from align_anything.models.loading import load_model
+    from align_anything.tasks.rm import RM
+
+    path = resolve_model_path("tiny-random-llama")
+    torch.manual_seed(0)
+    scorer = load_model(path, reward=True, dtype=torch.float32, attn_implementation=attn)
+    scorer.config.pad_token_id = 0
+    results = []
+    for shared in (False, True):
+        task = RM(policy=scorer, pad_id=0, center_coef=0.1, media=None, share_prompt=shared,
+                  mask_dtype=torch.float32 if attn == "eager" else None)  # fmt: skip
+        batch = task.collate(PACKABLE)
+        assert isinstance(batch.sequences, SharedPrefix) == shared
+        assert task.count_items(batch) == 4
+        scorer.zero_grad()
+        out = task.loss(batch, normalizer=1.0, training=True)
+        out.losses["policy"].backward()
+        grads = {n: p.grad.clone() for n, p in scorer.named_parameters() if p.grad is not None}
+        results.append((out.metrics, grads))
+    (plain, plain_grads), (shared_metrics, shared_grads) = results
+    # The prompts once, and the two shortest pairs in one row: 3 rows instead of 8.
+    shared_batch = task.collate(PACKABLE).sequences
+    assert shared_batch.input_ids.shape[0] == 3 and shared_batch.tokens == 27
+    for key in ("loss", "margin", "reward_sum", "reward_sq_sum"):
+        torch.testing.assert_close(shared_metrics[key], plain[key], rtol=1e-5, atol=1e-6)
+    assert float(shared_metrics["accuracy"]) == float(plain["accuracy"])
+    assert plain_grads.keys() == shared_grads.keys() and "score.weight" in plain_grads
+    for name, grad in plain_grads.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(shared_grads[name], grad, rtol=0, atol=1e-5 * scale, msg=name)
+
+
+def test_packed_shared_prompt_rows() -> None:
+    """With `pack`, short pairs share a row (never wider than the longest pair), and each
+    sequence's end and scored tokens are where its own ids are."""
+    plain = collate_shared_prompt(PACKABLE, pad_id=0, additive_mask_dtype=None)
+    packed = collate_shared_prompt(PACKABLE, pad_id=0, additive_mask_dtype=None, pack=True)
+    assert plain.input_ids.shape == (4, 10)
+    assert packed.input_ids.shape == (3, 10)  # pair lengths 10, 7, 7, 3: [10], [7, 3], [7]
+    assert packed.tokens == plain.tokens == 27
+    for batch in (plain, packed):
+        flat = batch.input_ids.reshape(-1).tolist()
+        # Each sequence's last id: the chosen answers, then the rejected ones.
+        assert [flat[e] for e in batch.sequence_ends.tolist()] == [12, 22, 34, 41, 14, 26, 35, 42]
+    pairs = [(s, t) for s, t in zip(packed.score_sequences.tolist(), packed.score_targets.tolist(),
+                                    strict=True)]  # fmt: skip
+    assert sorted(pairs) == sorted(zip(plain.score_sequences.tolist(),
+                                       plain.score_targets.tolist(), strict=True))  # fmt: skip
+    # The row holding pairs 1 and 3: pair 3 starts at 7 with positions from 0 and sees only
+    # its own prompt, never pair 1's tokens.
+    row = next(r for r in range(3) if packed.input_ids[r, 7].item() == 40)
+    assert packed.input_ids[row].tolist() == [20, 21, 22, 23, 24, 25, 26, 40, 41, 42]
+    assert packed.position_ids[row].tolist() == [0, 1, 2, 2, 3, 4, 5, 0, 1, 1]
+    mask = packed.shared_prefix_mask[row, 0]
+    assert mask[8].tolist() == [False] * 7 + [True, True, False]  # chosen: prompt + itself
+    assert mask[9].tolist() == [False] * 7 + [True, False, True]  # rejected: prompt + itself
+    # Pair 3's answers are both predicted from its prompt's last position (row index 7).
+    width = packed.input_ids.shape[1]
+    third = [(p - row * width, t) for p, t, s in zip(packed.score_positions.tolist(),
+             packed.score_targets.tolist(), packed.score_sequences.tolist(), strict=True)
+             if s in (3, 7)]  # fmt: skip
+    assert third == [(7, 41), (7, 42)]
+
+
+def test_packed_shared_prompt_logps_equal_plain_pairs() -> None:
+    model = _model("sdpa")
+    results = []
+    for pack in (False, True):
+        model.zero_grad()
+        if pack:
+            batch = collate_shared_prompt(PACKABLE, pad_id=0, additive_mask_dtype=None, pack=True)
+            sums, counts = shared_prefix_logps(model, batch, completion_only=True)
+        else:
+            batch = collate_preference(PACKABLE, pad_id=0)
+            sums, counts = completion_forward(model, batch, completion_only=True)
+        (sums * torch.linspace(1.0, 2.0, sums.shape[0])).sum().backward()
+        results.append(
+            (sums.detach(), counts, {n: p.grad.clone() for n, p in model.named_parameters()})
+        )
+    (plain_sums, plain_counts, plain_grads), (sums, counts, grads) = results
+    assert counts.tolist() == plain_counts.tolist() == [3, 1, 2, 1, 2, 4, 2, 1]
+    torch.testing.assert_close(sums, plain_sums, rtol=1e-5, atol=1e-5)
+    for name, grad in plain_grads.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5 * scale, msg=name)

@@ -95,7 +95,8 @@ class SharedPrefix(_ReadByKey):
     """Sequences that share a prefix as one row each group (`data.layouts.collate_shared_prefix`):
     `input_ids`, `attention_mask` (real tokens, for counting), `position_ids` [G, L], the 4D
     `shared_prefix_mask`, and the scored tokens flat: `score_positions`, `score_targets`,
-    `score_sequences` (whose each is), `num_sequences`."""
+    `score_sequences` (whose each is), `num_sequences`; `sequence_ends`: the flat position of
+    each sequence's last token (a reward model's score is read there)."""
 
     input_ids: Tensor
     attention_mask: Tensor
@@ -105,6 +106,7 @@ class SharedPrefix(_ReadByKey):
     score_targets: Tensor
     score_sequences: Tensor
     num_sequences: int
+    sequence_ends: Tensor
 
 
 Layout = Rows | Packed | SharedPrefix

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from align_anything.data.batches import SharedPrefix
 from align_anything.data.encode import IGNORE_INDEX
+from align_anything.data.packing import best_fit_decreasing
 
 # Attention implementations that accept a dense 4D mask as given.
 DENSE_MASK_ATTENTION = ("sdpa", "eager")
@@ -71,56 +72,73 @@ def collate_shared_prefix(
     num_sequences: int,
     pad_id: int,
     additive_mask_dtype: torch.dtype | None,
+    rows: Sequence[Sequence[int]] | None = None,
 ) -> SharedPrefix:
-    """Batch prefix groups into one right-padded row each: `prefix + suffix_1 + suffix_2 + …`.
+    """Batch prefix groups into right-padded rows `prefix + suffix_1 + suffix_2 + …`, one group
+    per row, or the groups `rows[r]` one after another in row r (no padding between them).
 
-    A suffix attends to the prefix and to itself (causally), never to another suffix, and its
-    positions continue from the end of the prefix, so every token sees exactly what it sees in
-    its own sequence. Returns `input_ids` and `attention_mask` ([G, L]; the 2D mask marks real
-    tokens, for counting only), `position_ids` [G, L], `shared_prefix_mask` [G, 1, L, L]
-    (boolean, True = may attend; additive 0 / dtype-min when `additive_mask_dtype` is given, for
-    eager attention), the scored tokens flattened: `score_positions` (g·L + the position whose
-    logits predict the token), `score_targets`, `score_sequences` (the group's sequence id), and
-    `num_sequences` (0-d). The first token of every suffix is predicted from the last prefix
-    position, which is therefore read once per suffix.
+    A suffix attends to its group's prefix and to itself (causally), never to another suffix
+    or another group, and its positions continue from the end of the prefix, so every token
+    sees exactly what it sees in its own sequence. Returns `input_ids` and `attention_mask`
+    ([R, L]; the 2D mask marks real tokens, for counting only), `position_ids` [R, L],
+    `shared_prefix_mask` [R, 1, L, L] (boolean, True = may attend; additive 0 / dtype-min when
+    `additive_mask_dtype` is given, for eager attention), the scored tokens flattened:
+    `score_positions` (r·L + the position whose logits predict the token), `score_targets`,
+    `score_sequences` (the group's sequence id), `sequence_ends` (r·L + the position of each
+    sequence's last token, by sequence id; -1 for an id no group has), and `num_sequences`.
+    The first token of every suffix is predicted from the last prefix position, which is
+    therefore read once per suffix.
     """
     if not groups:
         raise ValueError("cannot collate an empty batch")
-    lengths = [len(g.prefix) + sum(len(s) for s in g.suffixes) for g in groups]
-    width = max(lengths)
-    shape = (len(groups), width)
+    rows = [[g] for g in range(len(groups))] if rows is None else [list(r) for r in rows]
+    if sorted(g for row in rows for g in row) != list(range(len(groups))):
+        raise ValueError(f"rows {rows} must place each of the {len(groups)} groups once")
+    group_lengths = [len(g.prefix) + sum(len(s) for s in g.suffixes) for g in groups]
+    width = max(sum(group_lengths[g] for g in row) for row in rows)
+    shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
     attention_mask = torch.zeros(shape, dtype=torch.long)
-    # Segment per position: 0 prefix, j + 1 suffix j, -1 padding.
+    # Per position: the group's place in its row (-1 padding) and the segment in the group
+    # (0 prefix, j + 1 suffix j, -1 padding).
+    block = torch.full(shape, -1, dtype=torch.long)
     segment = torch.full(shape, -1, dtype=torch.long)
+    ends = torch.full((num_sequences,), -1, dtype=torch.long)
     positions, targets, sequences = [], [], []
-    for g, group in enumerate(groups):
-        p = len(group.prefix)
-        if p == 0:
-            raise ValueError("a prefix group needs at least one prefix token")
-        ids = list(group.prefix)
-        segment[g, :p] = 0
-        position_ids[g, :p] = torch.arange(p)
-        for j, (suffix, labels, seq) in enumerate(
-            zip(group.suffixes, group.suffix_labels, group.sequence_ids, strict=True)
-        ):
-            start = len(ids)
-            ids += suffix
-            segment[g, start : len(ids)] = j + 1
-            position_ids[g, start : len(ids)] = torch.arange(p, p + len(suffix))
-            # Suffix token k is predicted by the position before it in its own sequence.
-            for k, label in enumerate(labels):
-                if label != IGNORE_INDEX:
-                    positions.append(g * width + (p - 1 if k == 0 else start + k - 1))
-                    targets.append(label)
-                    sequences.append(seq)
-        input_ids[g, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[g, : len(ids)] = 1
+    for r, row in enumerate(rows):
+        ids: list[int] = []
+        for b, g in enumerate(row):
+            group = groups[g]
+            p, base = len(group.prefix), len(ids)
+            if p == 0:
+                raise ValueError("a prefix group needs at least one prefix token")
+            ids += group.prefix
+            block[r, base : len(ids)] = b
+            segment[r, base : len(ids)] = 0
+            position_ids[r, base : len(ids)] = torch.arange(p)
+            for j, (suffix, labels, seq) in enumerate(
+                zip(group.suffixes, group.suffix_labels, group.sequence_ids, strict=True)
+            ):
+                start = len(ids)
+                ids += suffix
+                block[r, start : len(ids)] = b
+                segment[r, start : len(ids)] = j + 1
+                position_ids[r, start : len(ids)] = torch.arange(p, p + len(suffix))
+                ends[seq] = r * width + len(ids) - 1
+                # Suffix token k is predicted by the position before it in its own sequence.
+                for k, label in enumerate(labels):
+                    if label != IGNORE_INDEX:
+                        positions.append(r * width + (base + p - 1 if k == 0 else start + k - 1))
+                        targets.append(label)
+                        sequences.append(seq)
+        input_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[r, : len(ids)] = 1
     q = torch.arange(width)
     causal = q[None, :] <= q[:, None]  # [L(query), L(key)]
     query_seg, key_seg = segment[:, :, None], segment[:, None, :]
-    allowed = causal[None] & ((key_seg == 0) | (key_seg == query_seg))
+    same_group = block[:, :, None] == block[:, None, :]
+    allowed = causal[None] & same_group & ((key_seg == 0) | (key_seg == query_seg))
     # A padding query attends to itself only: a row with no allowed key would give NaN.
     eye = torch.eye(width, dtype=torch.bool)[None]
     allowed = torch.where(query_seg == -1, eye, allowed)[:, None]
@@ -134,18 +152,21 @@ def collate_shared_prefix(
         score_targets=torch.tensor(targets, dtype=torch.long),
         score_sequences=torch.tensor(sequences, dtype=torch.long),
         num_sequences=num_sequences,
+        sequence_ends=ends,
     )  # fmt: skip
 
 
 def collate_shared_prompt(
     rows: Sequence[Mapping[str, Any]], *, pad_id: int, additive_mask_dtype: torch.dtype | None,
-    completions: tuple[str, str] = ("chosen_ids", "rejected_ids"),
+    completions: tuple[str, str] = ("chosen_ids", "rejected_ids"), pack: bool = False,
 ) -> SharedPrefix:  # fmt: skip
     """Batch rows with one prompt and two completions into B rows `prompt + first + second`
     (see `collate_shared_prefix`); row i's first completion is sequence i, its second B + i,
     the layout of the plain path. `completions` names the two: a DPO pair's chosen and rejected
     (`encode_preference` rows), or a KTO row's completion and the completion its prompt is
-    paired with for the KL estimate."""
+    paired with for the KL estimate. With `pack`, short groups share a row: best-fit
+    decreasing into rows as long as the longest group, so the batch is never wider and has
+    fewer padded positions (the same numbers: groups never see each other)."""
     batch = len(rows)
     first, second = completions
     groups = [
@@ -157,9 +178,14 @@ def collate_shared_prompt(
         )
         for i, row in enumerate(rows)
     ]
+    packed_rows = None
+    if pack:
+        lengths = [len(g.prefix) + sum(map(len, g.suffixes)) for g in groups]
+        packed_rows = best_fit_decreasing(lengths, max(lengths)).as_lists()
     return collate_shared_prefix(
-        groups, num_sequences=2 * batch, pad_id=pad_id, additive_mask_dtype=additive_mask_dtype
-    )
+        groups, num_sequences=2 * batch, pad_id=pad_id, additive_mask_dtype=additive_mask_dtype,
+        rows=packed_rows,
+    )  # fmt: skip
 
 
 def common_unscored_prefix(

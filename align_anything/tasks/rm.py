@@ -13,17 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from align_anything.config import RunConfig
 from align_anything.data import collate_preference
-from align_anything.data.batches import Rows
+from align_anything.data.batches import Rows, SharedPrefix
 from align_anything.data.collate import collate_margins
 from align_anything.data.encode import Encoding
+from align_anything.data.layouts import collate_shared_prompt, mask_dtype, supports_shared_prompt
 from align_anything.data.multimodal import MediaSupport
 from align_anything.data.rows import EncodedRows
 from align_anything.errors import DataError
-from align_anything.forward import sequence_scores
+from align_anything.forward import sequence_scores, shared_prefix_scores
 from align_anything.losses import reward_loss
 from align_anything.training.run import Data, ModelSide, Run
 from align_anything.training.sources import RowBatches, row_batches
@@ -64,9 +66,10 @@ def choose_pad_id(cfg: RunConfig, model: ModelSide, data: Data) -> list[str]:
 
 @dataclass
 class PairScores:
-    """B preference pairs as 2B rows (chosen of every pair, then rejected) and their margins."""
+    """B preference pairs as 2B sequences (chosen of every pair, then rejected) and their
+    margins: 2B rows, or the pairs' shared-prompt rows."""
 
-    sequences: Rows
+    sequences: Rows | SharedPrefix
     margin: Tensor | None
 
 
@@ -78,6 +81,8 @@ class RM:
     pad_id: int
     center_coef: float
     media: MediaSupport | None
+    share_prompt: bool = False
+    mask_dtype: torch.dtype | None = None
     name: str = "rm"
     count_unit: str = "samples"
     metric_keys: tuple[str, ...] = ("loss", "accuracy", "margin", "reward_sum", "reward_sq_sum")
@@ -85,12 +90,19 @@ class RM:
     eval_off: str | None = None
 
     def collate(self, rows: list[dict]) -> PairScores:
+        if self.share_prompt:
+            shared = collate_shared_prompt(
+                rows, pad_id=self.pad_id, additive_mask_dtype=self.mask_dtype, pack=True
+            )
+            return PairScores(shared, collate_margins(rows))
         sequences = collate_preference(rows, pad_id=self.pad_id)
         if self.media is not None:
             sequences = self.media.attach(sequences, rows, copies=2)
         return PairScores(sequences, collate_margins(rows))
 
     def count_items(self, batch: PairScores) -> int:
+        if isinstance(batch.sequences, SharedPrefix):
+            return batch.sequences.num_sequences // 2
         return batch.sequences.num_real // 2
 
     def count_tokens(self, batch: PairScores) -> int:
@@ -100,7 +112,10 @@ class RM:
         pass  # no statistic over the step
 
     def loss(self, batch: PairScores, *, normalizer: float, training: bool) -> LossOutput:
-        rewards = sequence_scores(self.policy, batch.sequences)
+        if isinstance(batch.sequences, SharedPrefix):
+            rewards = shared_prefix_scores(self.policy, batch.sequences)
+        else:
+            rewards = sequence_scores(self.policy, batch.sequences)
         half = rewards.shape[0] // 2
         chosen, rejected = rewards[:half], rewards[half:]
         # reward_loss averages; the loop needs per-pair sums to average over the global batch.
@@ -139,9 +154,24 @@ class RM:
 
 
 def build(run: Run) -> tuple[RM, RowBatches]:
+    cfg, policy = run.cfg, run.policy
+    share_prompt = (
+        cfg.speed.share_prefix and run.model.media is None
+        and supports_shared_prompt(policy.module.config)
+    )  # fmt: skip
+    if share_prompt:
+        run.summary.append(
+            "  pairs           one row per pair, the prompt computed once (speed.share_prefix)"
+        )
+    elif cfg.speed.share_prefix:
+        run.summary.append(
+            "  pairs           two rows per pair (speed.share_prefix needs a text model with "
+            "sdpa or eager attention)"
+        )
     task = RM(
-        policy=run.policy, pad_id=run.model.tokenizer.pad_token_id,
-        center_coef=run.cfg.rm.center_coef, media=run.model.media,
+        policy=policy, pad_id=run.model.tokenizer.pad_token_id,
+        center_coef=cfg.rm.center_coef, media=run.model.media, share_prompt=share_prompt,
+        mask_dtype=mask_dtype(policy.module),
     )  # fmt: skip
     return task, row_batches(run, task.collate)
 
