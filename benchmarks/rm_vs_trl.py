@@ -47,7 +47,7 @@ EVERY_STEP = ("loss", "margin", "accuracy")
 def hh_pairs(path: Path) -> list[dict[str, Any]]:
     """The file's pairs as message lists; pairs whose two transcripts disagree on the prompt
     (a few HH rows) are left out, as the trainers would read them differently."""
-    from align_anything.data.formats import parse_hh
+    from align_anything.data.convert import parse_hh
 
     pairs = []
     with gzip.open(path, "rt", encoding="utf-8") as handle:
