@@ -29,8 +29,6 @@ extra (`pip install -e ".[bench]"`).
 
 from __future__ import annotations
 
-import gzip
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -45,21 +43,12 @@ EVERY_STEP = ("loss", "margin", "accuracy")
 
 
 def hh_pairs(path: Path) -> list[dict[str, Any]]:
-    """The file's pairs as message lists; pairs whose two transcripts disagree on the prompt
-    (a few HH rows) are left out, as the trainers would read them differently."""
-    from align_anything.data.convert import parse_hh
+    """`data_scale.hh_pairs` (the file's pairs as message lists, those whose transcripts
+    disagree on the prompt left out), less the pairs whose two answers are equal (task=rm drops
+    them)."""
+    from data_scale import hh_pairs as all_pairs
 
-    pairs = []
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        for line in handle:
-            row = json.loads(line)
-            prompt, chosen = parse_hh(row["chosen"])
-            other, rejected = parse_hh(row["rejected"])
-            if prompt != other or not prompt or prompt[-1]["role"] != "user" or chosen == rejected:
-                continue
-            pairs.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
-                          "rejected": [{"role": "assistant", "content": rejected}]})  # fmt: skip
-    return pairs
+    return [p for p in all_pairs(path) if p["chosen"] != p["rejected"]]
 
 
 def fitting_pairs(count: int, *, max_length: int, source: Path | None = None) -> list[dict]:

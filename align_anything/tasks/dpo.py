@@ -24,14 +24,18 @@ from align_anything.config import RunConfig
 from align_anything.data import collate_preference
 from align_anything.data.batches import Rows, SharedPrefix, to_device
 from align_anything.data.encode import Encoding
-from align_anything.data.layouts import collate_shared_prompt, mask_dtype, supports_shared_prompt
+from align_anything.data.layouts import collate_shared_prompt, mask_dtype
 from align_anything.data.multimodal import MediaSupport
 from align_anything.forward import sequence_logps
 from align_anything.losses import dpo_loss, needs_reference
 from align_anything.training import generation, reference
 from align_anything.training.batching import step_indices
 from align_anything.training.run import Run
-from align_anything.training.setup import completion_only_logits, fresh_model_loader
+from align_anything.training.setup import (
+    completion_only_logits,
+    fresh_model_loader,
+    shared_prompt_pairs,
+)
 from align_anything.training.sources import RowBatches, row_batches
 from align_anything.training.task import LossOutput, TaskSpec
 
@@ -208,20 +212,7 @@ def precompute_reference(run: Run, task: DPO) -> None:
 def build(run: Run) -> tuple[DPO, RowBatches]:
     cfg, policy = run.cfg, run.policy
     section = cfg.dpo
-    # Media are attached per sequence (two rows per pair): text-only batches share prompts.
-    share_prompt = (
-        cfg.speed.share_prefix and run.model.media is None
-        and supports_shared_prompt(policy.module.config)
-    )  # fmt: skip
-    if share_prompt:
-        run.summary.append(
-            "  pairs           one row per pair, the prompt computed once (speed.share_prefix)"
-        )
-    elif cfg.speed.share_prefix:
-        run.summary.append(
-            "  pairs           two rows per pair (speed.share_prefix needs a text model with "
-            "sdpa or eager attention)"
-        )
+    share_prompt = shared_prompt_pairs(run)
     reference_free = not needs_reference(section.loss_terms()[0])
     lora_enabled = cfg.model.lora.enabled
     frozen = None

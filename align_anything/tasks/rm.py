@@ -21,13 +21,14 @@ from align_anything.data import collate_preference
 from align_anything.data.batches import Rows, SharedPrefix
 from align_anything.data.collate import collate_margins
 from align_anything.data.encode import Encoding
-from align_anything.data.layouts import collate_shared_prompt, mask_dtype, supports_shared_prompt
+from align_anything.data.layouts import collate_shared_prompt, mask_dtype
 from align_anything.data.multimodal import MediaSupport
 from align_anything.data.rows import EncodedRows
 from align_anything.errors import DataError
 from align_anything.forward import sequence_scores, shared_prefix_scores
 from align_anything.losses import reward_loss
 from align_anything.training.run import Data, ModelSide, Run
+from align_anything.training.setup import shared_prompt_pairs
 from align_anything.training.sources import RowBatches, row_batches
 from align_anything.training.task import LossOutput, TaskSpec
 
@@ -155,19 +156,7 @@ class RM:
 
 def build(run: Run) -> tuple[RM, RowBatches]:
     cfg, policy = run.cfg, run.policy
-    share_prompt = (
-        cfg.speed.share_prefix and run.model.media is None
-        and supports_shared_prompt(policy.module.config)
-    )  # fmt: skip
-    if share_prompt:
-        run.summary.append(
-            "  pairs           one row per pair, the prompt computed once (speed.share_prefix)"
-        )
-    elif cfg.speed.share_prefix:
-        run.summary.append(
-            "  pairs           two rows per pair (speed.share_prefix needs a text model with "
-            "sdpa or eager attention)"
-        )
+    share_prompt = shared_prompt_pairs(run)
     task = RM(
         policy=policy, pad_id=run.model.tokenizer.pad_token_id,
         center_coef=cfg.rm.center_coef, media=run.model.media, share_prompt=share_prompt,

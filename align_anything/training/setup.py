@@ -352,6 +352,30 @@ def completion_only_logits(cfg: RunConfig, policy: Engine) -> bool:
     return cfg.speed.completion_only_logits and forward.supports_logits_to_keep(policy.module)
 
 
+def shared_prompt_pairs(run: Run) -> bool:
+    """Whether a preference pair runs as one row prompt + chosen + rejected
+    (`speed.share_prefix`, for text models whose attention takes a dense mask; media are
+    attached per sequence, so image-text and audio-text pairs take two rows); says which in the
+    start-up summary."""
+    from align_anything.data.layouts import supports_shared_prompt
+
+    cfg = run.cfg
+    share = (
+        cfg.speed.share_prefix and run.model.media is None
+        and supports_shared_prompt(run.policy.module.config)
+    )  # fmt: skip
+    if share:
+        run.summary.append(
+            "  pairs           one row per pair, the prompt computed once (speed.share_prefix)"
+        )
+    elif cfg.speed.share_prefix:
+        run.summary.append(
+            "  pairs           two rows per pair (speed.share_prefix needs a text model with "
+            "sdpa or eager attention)"
+        )
+    return share
+
+
 # ---------------------------------------------------------------------------- 7: restore
 
 
