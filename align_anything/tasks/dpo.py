@@ -3,11 +3,12 @@ reference-free SimPO and ORPO, and TRL's other types: APO, BCO, EXO, NCA, SPPO, 
 length-normalised sigmoid), one type or a weighted sum of several (`losses.dpo_loss`).
 
 Chosen and rejected go through one forward pass (stacked on the batch axis, or, with
-`speed.share_prefix`, one row per pair: the prompt once). Log-probs are summed over completion
-tokens found on the ids fed to the model. The reference is the model as loaded at the start of
-the run (`training.reference`), either precomputed in one no-grad pass (default: the reference
-never occupies memory during training) or kept as a frozen model (`dpo.reference=model`; under
-ZeRO-3 a partitioned inference engine; with LoRA the policy with its adapters disabled).
+`speed.share_prefix`, one row per pair, short pairs sharing a row: the prompt once). Log-probs
+are summed over completion tokens found on the ids fed to the model. The reference is the
+model as loaded at the start of the run (`training.reference`), either precomputed in one
+no-grad pass (default: the reference never occupies memory during training) or kept as a
+frozen model (`dpo.reference=model`; under ZeRO-3 a partitioned inference engine; with LoRA
+the policy with its adapters disabled).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class DPO:
         sequences: Rows | SharedPrefix
         if self.share_prompt:
             sequences = collate_shared_prompt(
-                rows, pad_id=self.pad_id, additive_mask_dtype=self.mask_dtype
+                rows, pad_id=self.pad_id, additive_mask_dtype=self.mask_dtype, pack=True
             )
         else:
             sequences = collate_preference(rows, pad_id=self.pad_id)

@@ -366,7 +366,8 @@ def shared_prompt_pairs(run: Run) -> bool:
     )  # fmt: skip
     if share:
         run.summary.append(
-            "  pairs           one row per pair, the prompt computed once (speed.share_prefix)"
+            "  pairs           prompt + chosen + rejected in one row, the prompt computed once, "
+            "short pairs sharing a row (speed.share_prefix)"
         )
     elif cfg.speed.share_prefix:
         run.summary.append(
