@@ -19,11 +19,11 @@ COMMANDS = {
     ),
     "score": ("align_anything.tools.score", "score prompt/response rows with a reward model"),
     "serve-reward": (
-        "align_anything.tools.serve_reward",
+        "align_anything.rewards.server",
         "serve a reward model over HTTP for reward.remote.urls",
     ),
     "serve-rollout": (
-        "align_anything.tools.serve_rollout",
+        "align_anything.generation.server",
         "serve a vLLM engine for rollout.backend=vllm, rollout.vllm.mode=server",
     ),
     "plot": ("align_anything.tools.plot", "metrics.jsonl -> metrics.png"),

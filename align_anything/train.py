@@ -60,11 +60,11 @@ def run(overrides: Sequence[str]) -> None:
     with ExitStack() as stack:
         run_ = setup.setup(cfg, spec, stack)
         task, source = spec.build(run_)
-        setup.start_logging(run_, stack, task=cfg.task)
+        setup.start_logging(run_, spec.family, stack, task=cfg.task)
         # SIGTERM/SIGINT during the step loop: finish the step, write a checkpoint, stop.
         with StopRequest(announce=run_.dist.is_main) as stop:
             loop.train(run_, task, source, stop)
-        finish.save_final(run_)
+        finish.save_final(run_, spec.family)
         finish.report_finished(run_, task)
 
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from align_anything.data.builtin import PROMPT_HINT, generate
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.zoo import resolve_model_path
 from align_anything.rewards import arith_exact, arith_format
 
 

@@ -110,8 +110,8 @@ def encoded_in_order(
 ) -> tuple[list[dict], list[int]]:  # fmt: skip
     """align_anything's encoding of the rows (none may be dropped: both trainers must see all
     of them) and the order it trains on them."""
-    from align_anything.models.loading import load_tokenizer
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(model))
     encoded, data_report = encode(rows, tokenizer, max_length=max_length)
@@ -345,7 +345,7 @@ def run_comparison(
 def child_inputs(setup: Setup, workdir: Path) -> tuple[list[str], dict[str, Any]]:
     """Both sides' inputs for one comparison: the rows written under `workdir`, then
     align_anything's overrides and the TRL child's spec, with the same hyper-parameters."""
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     ours_file, trl_file = workdir / "ours.jsonl", workdir / "trl.jsonl"
     write_jsonl(ours_file, setup.ours_rows)

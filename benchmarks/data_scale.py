@@ -43,7 +43,7 @@ from common import REPO_ROOT, child_env, run_child
 
 sys.path.insert(0, str(REPO_ROOT))
 
-from align_anything.data.convert import parse_hh  # noqa: E402
+from align_anything.data.convert import parse_hh
 
 HH_FULL = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
 HH_SAMPLE = REPO_ROOT / "tests" / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"
@@ -105,9 +105,10 @@ def _rss_split_mib() -> dict[str, float]:
 def child_ours(rows: Path, cache_dir: Path, num_proc: int) -> dict[str, Any]:
     import datasets
 
-    from align_anything.data import cache, pipeline
-    from align_anything.data.encode import Encoding
-    from align_anything.models import loading, zoo
+    from align_anything.families import zoo
+    from align_anything.families.language import loading, pipeline
+    from align_anything.families.language import token_cache as cache
+    from align_anything.families.language.encode import Encoding
 
     tokenizer = loading.load_text_side(zoo.resolve_model_path(MODEL), trust_remote_code=False)[1]
     datasets.disable_progress_bars()  # as a run does; `datasets` imported before the baseline
@@ -135,7 +136,7 @@ def child_trl(rows: Path, num_proc: int, workdir: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from align_anything.models import zoo
+    from align_anything.families import zoo
 
     tokenizer = AutoTokenizer.from_pretrained(zoo.resolve_model_path(MODEL))
     datasets.disable_progress_bars()

@@ -208,14 +208,14 @@ def cache_saving(
     if threads:
         torch.set_num_threads(threads)
 
-    from align_anything.data.images import center_crop, read_image_source
-    from align_anything.data.latents import (
+    from align_anything.families import diffusion
+    from align_anything.families.text_to_image.images import center_crop, read_image_source
+    from align_anything.families.text_to_image.latents import (
         ensure_latent_cache,
         latent_cache_folder,
         latent_key_parts,
         open_latent_cache,
     )
-    from align_anything.models import diffusion
 
     info = diffusion.inspect_pipeline(model)
     parts = diffusion.load_frozen_parts(info, dtype=torch.float32)
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.paired_child:
         paired_child(args)
         return 0
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     model_path = resolve_model_path(args.model)
     load = os.getloadavg()[0]

@@ -41,9 +41,9 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout, with or without an in
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from align_anything.data import shapes  # noqa: E402
 from align_anything.data.builtin import builtin_path  # noqa: E402
-from align_anything.models import t2i_shapes  # noqa: E402
+from align_anything.families.text_to_image import shapes  # noqa: E402
+from align_anything.families.text_to_image import shapes_model as t2i_shapes  # noqa: E402
 
 EVAL_TIMESTEPS = (50, 150, 250, 350, 450, 550, 650, 750, 850, 950)
 

@@ -63,9 +63,9 @@ def ours_overrides(case: dict[str, Any]) -> list[str]:
 def equal_chosen_length_rows(count: int, *, model: str, max_length: int) -> list[dict]:
     """The first `count` arith-pref pairs whose chosen completion has the most common token
     length (align_anything's encoding), so that per-pair and per-batch token means agree."""
-    from align_anything.data.encode import encode_preference
-    from align_anything.models.loading import load_tokenizer
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.language.encode import encode_preference
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
 
     rows = preference_rows("arith-pref", 96)
     tokenizer = load_tokenizer(resolve_model_path(model))

@@ -34,7 +34,7 @@ def build_setup(
 ) -> Setup:  # fmt: skip
     """The rows and token counts of one comparison (align_anything's encoding of them): the
     first steps × batch pairs of arith-pref unless `rows` are given."""
-    from align_anything.data.encode import encode_preference
+    from align_anything.families.language.encode import encode_preference
 
     rows = rows or preference_rows("arith-pref", steps * batch)
     encoded, order = encoded_in_order(

@@ -27,7 +27,7 @@ from common import MODEL, REPO_ROOT, read_jsonl
 
 sys.path.insert(0, str(REPO_ROOT))
 
-from align_anything.data.builtin import builtin_path  # noqa: E402
+from align_anything.data.builtin import builtin_path
 
 
 def prompt_ids(tokenizer, count: int) -> list[list[int]]:
@@ -43,7 +43,7 @@ def prompt_ids(tokenizer, count: int) -> list[list[int]]:
 
 def ours(model, tokenizer, prompts: list[list[int]], g: int, tokens: int, seed: int) -> int:
     """The decode loop with per-completion generators; returns completion tokens."""
-    from align_anything.training.decode import row_sampler, sample_completions
+    from align_anything.generation.decode import row_sampler, sample_completions
 
     generators = [torch.Generator().manual_seed(seed + k) for k in range(len(prompts) * g)]
     out = sample_completions(
@@ -92,7 +92,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
 
-    from align_anything.models import loading, zoo
+    from align_anything.families import zoo
+    from align_anything.families.language import loading
 
     path = zoo.resolve_model_path(args.model)
     tokenizer = loading.load_text_side(path, trust_remote_code=False)[1]

@@ -68,8 +68,8 @@ def build_model(folder: Path, shape: dict[str, int], *, seed: int = 0) -> int:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from align_anything.models.loading import load_tokenizer
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
     config = LlamaConfig(

@@ -100,7 +100,7 @@ def ours_overrides(args: argparse.Namespace, data: Path) -> list[str]:
 
 
 def trl_spec(args: argparse.Namespace, rows_path: Path) -> dict[str, Any]:
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     return {
         "task": "grpo", "model_path": str(resolve_model_path(args.model)),
@@ -222,10 +222,10 @@ def fixed_completions(model: str, *, count: int = 2) -> dict[str, Any]:
     FIXED_ANSWERS, and their group advantages under `arith_exact` (the GRPO trainer's)."""
     import torch
 
-    from align_anything.data.prompts import encode_prompts
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.language.prompts import encode_prompts
+    from align_anything.families.zoo import resolve_model_path
     from align_anything.losses import group_advantages
-    from align_anything.models.loading import load_tokenizer
-    from align_anything.models.zoo import resolve_model_path
     from align_anything.rewards import arith_exact
 
     tokenizer = load_tokenizer(resolve_model_path(model))
@@ -253,12 +253,12 @@ def ours_score(model: str, fixed: dict[str, Any], *, loss_type: str = "dapo",
     the calls of `GRPOTrainer.compute_loss`, on the model in training mode."""
     import torch
 
-    from align_anything.data import IGNORE_INDEX
-    from align_anything.data.batches import Rows
-    from align_anything.forward import completion_token_logps
+    from align_anything.families.language import IGNORE_INDEX
+    from align_anything.families.language.batches import Rows
+    from align_anything.families.language.forward import completion_token_logps
+    from align_anything.families.language.loading import load_model, load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
     from align_anything.losses import grpo_per_token_loss, loss_items, loss_sum
-    from align_anything.models.loading import load_model, load_tokenizer
-    from align_anything.models.zoo import resolve_model_path
 
     path = resolve_model_path(model)
     tokenizer = load_tokenizer(path)

@@ -42,7 +42,7 @@ def kl_partner_lengths(order: list[int], prompt: list[int], completion: list[int
 
 def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float) -> Setup:
     """The rows and token counts of one comparison (align_anything's encoding of them)."""
-    from align_anything.data.encode import encode_unpaired
+    from align_anything.families.language.encode import encode_unpaired
 
     rows = unpaired_rows("arith-kto", steps * batch)
     encoded, order = encoded_in_order(

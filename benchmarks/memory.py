@@ -33,8 +33,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from align_anything import plan  # noqa: E402
 from align_anything.config import load_config  # noqa: E402
+from align_anything.tasks import TASKS  # noqa: E402
+from align_anything.training import memory_plan as plan  # noqa: E402
 
 GIB = 2**30
 
@@ -82,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.task == "dpo":
         overrides.append("dpo.generation_check_samples=0")
     cfg = load_config(overrides)
-    estimates, budget, source, sizes = plan.plan(cfg, world_size=args.num_gpus)
+    figures, budget, source = plan.plan(
+        cfg, TASKS[cfg.task].family.estimate_memory, world_size=args.num_gpus
+    )
+    estimates, sizes = figures.estimates, figures.sizes
     by_name = {e.preset: e for e in estimates}
     rows = []
     work = Path(tempfile.mkdtemp(prefix="aa-memory-"))

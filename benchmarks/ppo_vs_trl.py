@@ -71,7 +71,8 @@ def default_reward_model(model: str, folder: Path) -> Path:
     """The policy with a new one-output score head (seeded): an untrained reward model."""
     import torch
 
-    from align_anything.models import loading, zoo
+    from align_anything.families import zoo
+    from align_anything.families.language import loading
 
     path = zoo.resolve_model_path(model)
     tokenizer = loading.load_tokenizer(path)
@@ -177,7 +178,7 @@ def trl_child(spec_path: str) -> None:
 
 def run_trl(args: argparse.Namespace, prompt_ids: list[list[int]], reward_model: Path,
             workdir: Path, env: dict) -> RunRecord:  # fmt: skip
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     out = Path(tempfile.mkdtemp(prefix="trl-", dir=workdir))
     spec = {
@@ -236,9 +237,9 @@ def main() -> None:
     if args.child:
         trl_child(args.child)
         return
-    from align_anything.data.prompts import encode_prompts
-    from align_anything.models.loading import load_tokenizer
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.language.prompts import encode_prompts
+    from align_anything.families.zoo import resolve_model_path
 
     workdir = Path(tempfile.mkdtemp(prefix="aa-bench-ppo-"))
     env = child_env(args.threads)

@@ -54,9 +54,9 @@ def hh_pairs(path: Path) -> list[dict[str, Any]]:
 def fitting_pairs(count: int, *, max_length: int, source: Path | None = None) -> list[dict]:
     """The first `count` HH pairs whose prompt + longer answer fits `max_length` tokens in
     align_anything's encoding (so neither trainer drops or truncates any)."""
-    from align_anything.data.encode import encode_preference
-    from align_anything.models.loading import load_tokenizer
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.language.encode import encode_preference
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
 
     source = source or (HH_FULL if HH_FULL.exists() else HH_SAMPLE)
     tokenizer = load_tokenizer(resolve_model_path(MODEL))
@@ -76,7 +76,7 @@ def seeded_reward_model(folder: Path, *, seed: int = SEED, model: str = MODEL) -
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     source = resolve_model_path(model)
     set_seed(seed)
@@ -93,7 +93,7 @@ def build_setup(
     rows: list[dict] | None = None,
 ) -> Setup:  # fmt: skip
     """The rows and token counts of one comparison (align_anything's encoding of them)."""
-    from align_anything.data.encode import encode_preference
+    from align_anything.families.language.encode import encode_preference
 
     rows = rows or fitting_pairs(steps * batch, max_length=max_length)
     encoded, order = encoded_in_order(

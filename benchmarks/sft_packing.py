@@ -68,9 +68,9 @@ def usable_rows(
     conversations: list[dict[str, Any]], *, count: int, max_length: int, model: str
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The first `count` conversations whose encoding fits `max_length`, and their lengths."""
-    from align_anything.data.encode import encode_sft
-    from align_anything.models.loading import load_tokenizer
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.language.encode import encode_sft
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(model))
     rows, lengths = [], []
@@ -92,7 +92,7 @@ class PackingSetup:
         self, *, rows: int, steps: int, batch: int, max_length: int, learning_rate: float,
         model: str, source: Path,
     ) -> None:  # fmt: skip
-        from align_anything.data.packing import best_fit_decreasing
+        from align_anything.families.language.packing import best_fit_decreasing
 
         conversations, lengths = usable_rows(
             hh_conversations(source), count=rows, max_length=max_length, model=model

@@ -30,8 +30,8 @@ METRICS = [("step-1 loss", "loss")]
 
 def build_setup(*, steps: int, batch: int, max_length: int, learning_rate: float) -> Setup:
     """The rows and token counts of one comparison (align_anything's encoding of them)."""
-    from align_anything.data import IGNORE_INDEX
-    from align_anything.data.encode import encode_sft
+    from align_anything.families.language import IGNORE_INDEX
+    from align_anything.families.language.encode import encode_sft
 
     rows = conversation_rows("arith-sft", steps * batch)
     encoded, order = encoded_in_order(

@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    from align_anything.models.loading import load_config as load_model_config
-    from align_anything.models.loading import text_hidden_size
+    from align_anything.families.language.loading import load_config as load_model_config
+    from align_anything.families.language.loading import text_hidden_size
 
     hidden = text_hidden_size(load_model_config(MODEL))
     chosen = variants(hidden)

@@ -43,8 +43,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from align_anything.data import shapes  # noqa: E402
-from align_anything.models import t2i_shapes  # noqa: E402
+from align_anything.families.text_to_image import shapes  # noqa: E402
+from align_anything.families.text_to_image import shapes_model as t2i_shapes  # noqa: E402
 
 ALL_COMBOS = tuple((c, s) for c in shapes.COLOURS for s in shapes.SHAPES)
 

@@ -366,7 +366,7 @@ def copy_tiny_model(dest: Path) -> Path:
     tests that alter one of its files."""
     import shutil
 
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     shutil.copytree(resolve_model_path(TINY_MODEL), dest)
     return dest

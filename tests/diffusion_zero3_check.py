@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from align_anything.backend import zero_init
 from align_anything.backend.distributed import setup_distributed, teardown_distributed
-from align_anything.models import diffusion
+from align_anything.families import diffusion
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 

@@ -6,10 +6,10 @@ from collections import Counter
 
 from conftest import HH_FILE
 
-from align_anything.data.encode import encode_preference
 from align_anything.data.formats import load_records
-from align_anything.models.loading import load_tokenizer
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.language.encode import encode_preference
+from align_anything.families.language.loading import load_tokenizer
+from align_anything.families.zoo import resolve_model_path
 from align_anything.training.batching import (
     group_by_length,
     rank_micro_batches,

@@ -179,8 +179,8 @@ def test_grpo_fixed_completions_scored_as_by_hand() -> None:
     on-policy (ratio 1), the dapo loss -Σ advantage over completion tokens / their count."""
     import torch
 
-    from align_anything.models.loading import load_model
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.language.loading import load_model
+    from align_anything.families.zoo import resolve_model_path
 
     fixed = grpo_vs_trl.fixed_completions("tiny-random-llama")
     group = len(grpo_vs_trl.FIXED_ANSWERS)
@@ -295,7 +295,7 @@ def test_rm_saved_head_loads_unchanged_in_both_loaders(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from align_anything.models.loading import load_model
+    from align_anything.families.language.loading import load_model
 
     folder = rm_vs_trl.seeded_reward_model(tmp_path / "rm", model="tiny-random-llama")
     torch.manual_seed(123)  # another RNG state: a newly drawn head would differ

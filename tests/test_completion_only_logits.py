@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from align_anything.data import IGNORE_INDEX
-from align_anything.data.batches import Rows
-from align_anything.forward import completion_forward, supports_logits_to_keep
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.language import IGNORE_INDEX
+from align_anything.families.language.batches import Rows
+from align_anything.families.language.forward import completion_forward, supports_logits_to_keep
+from align_anything.families.zoo import resolve_model_path
 
 
 @pytest.fixture(scope="module")

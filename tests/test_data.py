@@ -17,11 +17,11 @@ import pytest
 import torch
 from conftest import HH_FILE, HH_FULL_FILE
 
-from align_anything.data import collate_preference, collate_sft
-from align_anything.data.collate import collate_margins
-from align_anything.data.encode import encode_preference, encode_sft
 from align_anything.data.formats import check_kind, load_records, split_records
 from align_anything.errors import ConfigError, DataError, ModelError
+from align_anything.families.language import collate_preference, collate_sft
+from align_anything.families.language.collate import collate_margins
+from align_anything.families.language.encode import encode_preference, encode_sft
 
 # SmolLM2 ChatML ids: <|im_start|>=1, <|im_end|>=2 (also the pad/eos token), "\n"=198.
 IM_START, IM_END, NEWLINE = 1, 2, 198

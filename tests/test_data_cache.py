@@ -14,12 +14,18 @@ import numpy as np
 import pytest
 from conftest import HH_FILE, TINY_MODEL, launch
 
-from align_anything.data import cache
-from align_anything.data.encode import Encoding, encode_preference, encode_sft, encode_unpaired
+from align_anything.data import cache as data_cache
 from align_anything.data.formats import load_records, unpair
-from align_anything.data.pipeline import Source, Spec, mixture_rows
-from align_anything.data.prompts import encode_prompts
 from align_anything.errors import ConfigError, DataError
+from align_anything.families.language import token_cache as cache
+from align_anything.families.language.encode import (
+    Encoding,
+    encode_preference,
+    encode_sft,
+    encode_unpaired,
+)
+from align_anything.families.language.pipeline import Source, Spec, mixture_rows
+from align_anything.families.language.prompts import encode_prompts
 from align_anything.train import main
 
 TINY = f"model.name_or_path={TINY_MODEL}"
@@ -27,7 +33,8 @@ TINY = f"model.name_or_path={TINY_MODEL}"
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from align_anything.models import loading, zoo
+    from align_anything.families import zoo
+    from align_anything.families.language import loading
 
     return loading.load_text_side(zoo.resolve_model_path(TINY_MODEL), trust_remote_code=False)[1]
 
@@ -83,7 +90,7 @@ def test_arrow_rows_and_reports_equal_the_list_encoders(tokenizer, hh_sample, tm
 def test_worker_processes_give_the_same_rows_and_row_numbers(
     tokenizer, hh_sample, tmp_path, monkeypatch
 ) -> None:
-    from align_anything.data import pipeline
+    from align_anything.families.language import pipeline
 
     s = spec(str(hh_sample), Encoding("preference"))
     one = prepare(s, tokenizer, tmp_path / "one", num_proc=1)
@@ -160,10 +167,10 @@ def test_a_damaged_cache_is_detected_and_rebuilt(tokenizer, hh_sample, tmp_path,
         data[len(data) // 2] ^= 0xFF
         arrow.write_bytes(bytes(data))
     elif damage == "no-manifest":  # a build that stopped before its manifest
-        (first.folder / cache.MANIFEST).unlink()
+        (first.folder / data_cache.MANIFEST).unlink()
     else:
         arrow.unlink()
-    assert cache.verify(first.folder) is not None
+    assert data_cache.verify(first.folder) is not None
     import os
 
     abandoned = root / f".tmp-{first.folder.name}-{os.uname().nodename}-999999999-0"
@@ -171,7 +178,7 @@ def test_a_damaged_cache_is_detected_and_rebuilt(tokenizer, hh_sample, tmp_path,
     again = prepare(s, tokenizer, root)
     assert again.note.startswith("tokenised ") and "rebuilt: " in again.note
     assert [again.train[i] for i in range(len(again.train))] == want
-    assert cache.verify(first.folder) is None
+    assert data_cache.verify(first.folder) is None
     assert not list(root.glob(".tmp-*"))  # no temporary folder left behind
 
 
@@ -390,7 +397,7 @@ def test_two_ranks_share_one_cache_and_only_rank_0_tokenises(tmp_path: Path) -> 
     assert "data: rank 1 tokenising" not in two.output
     assert "train mixture of 2 sources" in two.output
     (entry,) = (tmp_path / "cache").iterdir()
-    manifest = json.loads((entry / cache.MANIFEST).read_text())
+    manifest = json.loads((entry / data_cache.MANIFEST).read_text())
     assert manifest["built_by"]["rank"] == "0"
     # One rank with the same global batch (micro 4 x accumulation 2): a hit, the same losses.
     one = launch([*args, "train.gradient_accumulation_steps=2"], tmp_path / "one").check()

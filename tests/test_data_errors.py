@@ -319,9 +319,10 @@ def test_an_image_that_fails_to_decode_later_is_not_called_readable_at_start(
     to decode in a batch afterwards (changed since) is reported with what was checked."""
     import torch
 
-    from align_anything.data.multimodal import MediaSupport
     from align_anything.errors import DataError
-    from align_anything.models import loading, zoo
+    from align_anything.families import zoo
+    from align_anything.families.language import loading
+    from align_anything.families.language.multimodal import MediaSupport
 
     processor = loading.load_text_side(
         zoo.resolve_model_path("tiny-random-llava"), trust_remote_code=False

@@ -13,9 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from align_anything.data import images, latents
 from align_anything.errors import DataError
-from align_anything.models import diffusion
+from align_anything.families import diffusion
+from align_anything.families.text_to_image import images, latents
 
 
 def png(color: str | tuple, size: tuple[int, int] = (40, 30)) -> bytes:

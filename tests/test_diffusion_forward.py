@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from align_anything import forward_diffusion as fd
 from align_anything import losses
-from align_anything.models import diffusion
+from align_anything.families import diffusion
+from align_anything.families.diffusion import forward as fd
 
 # One DDPM-style and one flow family in the fast suite; the other three take the CPU more than
 # the ~2 s a fast test may (a first forward pass of each new batch shape builds its kernels).

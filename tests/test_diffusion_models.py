@@ -19,9 +19,9 @@ import torch
 from conftest import DIST_ENV_VARS, free_port
 
 from align_anything.errors import ConfigError, ModelError
-from align_anything.models import diffusion
-from align_anything.models.diffusion import adapters, sampling
-from align_anything.models.sizes import denoiser_sizes
+from align_anything.families import diffusion
+from align_anything.families.diffusion import adapters, sampling
+from align_anything.families.diffusion.sizes import denoiser_sizes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +75,7 @@ def test_a_causal_lm_is_refused_with_the_fix() -> None:
 
 
 def test_a_pipeline_given_to_a_language_model_task_is_refused() -> None:
-    from align_anything.models.loading import load_config, load_tokenizer
+    from align_anything.families.language.loading import load_config, load_tokenizer
 
     with pytest.raises(ModelError, match="is a diffusers text-to-image pipeline"):
         load_config("tiny-random-sd")

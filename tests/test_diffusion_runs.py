@@ -24,7 +24,7 @@ import pytest
 import torch
 from conftest import RunResult, launch
 
-from align_anything.data import shapes
+from align_anything.families.text_to_image import shapes
 
 pytestmark = pytest.mark.slow
 
@@ -239,7 +239,7 @@ def test_lora_under_zero3_saves_a_trained_adapter_diffusers_loads(
     from diffusers import DiffusionPipeline
     from safetensors.torch import load_file
 
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     run = launch(
         [

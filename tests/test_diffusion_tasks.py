@@ -20,23 +20,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from align_anything import plan
 from align_anything.config import load_config
-from align_anything.data import shapes
-from align_anything.data.images import read_image_source
-from align_anything.data.latents import (
+from align_anything.errors import ConfigError
+from align_anything.families import diffusion, zoo
+from align_anything.families.diffusion import memory as diffusion_memory
+from align_anything.families.diffusion.forward import TimestepSampling, draw_seed
+from align_anything.families.text_to_image import shapes
+from align_anything.families.text_to_image.family import TEXT_TO_IMAGE
+from align_anything.families.text_to_image.images import read_image_source
+from align_anything.families.text_to_image.latents import (
     LatentRows,
     ensure_latent_cache,
     latent_cache_folder,
     latent_key_parts,
     open_latent_cache,
 )
-from align_anything.errors import ConfigError
-from align_anything.forward_diffusion import TimestepSampling, draw_seed
-from align_anything.models import diffusion, zoo
-from align_anything.tasks.diffusion import EVAL_STEP, Denoising
-from align_anything.tasks.diffusion_dpo import DiffusionDPO
-from align_anything.tasks.diffusion_sft import DiffusionSFT, check
+from align_anything.tasks.diffusion.common import EVAL_STEP, Denoising
+from align_anything.tasks.diffusion.dpo import DiffusionDPO
+from align_anything.tasks.diffusion.sft import DiffusionSFT, check
+from align_anything.training import memory_plan as plan
 from align_anything.training.task import LossOutput, Task
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -291,15 +293,15 @@ def test_activations_are_measured_on_meta_and_scale_as_they_should() -> None:
     memory-efficient kernel keeps it); checkpointing keeps a small share."""
     base = diffusion.inspect_pipeline("tiny-random-sd")
     info = dataclasses.replace(base, denoiser_config=SD15_UNET, vae_scale_factor=8)
-    one = plan.denoiser_activations(info, resolution=512, samples=1, precision="bf16",
+    one = diffusion_memory.denoiser_activations(info, resolution=512, samples=1, precision="bf16",
                                     gradient_checkpointing=False)  # fmt: skip
-    two = plan.denoiser_activations(info, resolution=512, samples=2, precision="bf16",
+    two = diffusion_memory.denoiser_activations(info, resolution=512, samples=2, precision="bf16",
                                     gradient_checkpointing=False)  # fmt: skip
-    small = plan.denoiser_activations(info, resolution=256, samples=1, precision="bf16",
+    small = diffusion_memory.denoiser_activations(info, resolution=256, samples=1, precision="bf16",
                                       gradient_checkpointing=False)  # fmt: skip
-    saved = plan.denoiser_activations(info, resolution=512, samples=1, precision="bf16",
+    saved = diffusion_memory.denoiser_activations(info, resolution=512, samples=1, precision="bf16",
                                       gradient_checkpointing=True)  # fmt: skip
-    fp32 = plan.denoiser_activations(info, resolution=512, samples=1, precision="fp32",
+    fp32 = diffusion_memory.denoiser_activations(info, resolution=512, samples=1, precision="fp32",
                                      gradient_checkpointing=False)  # fmt: skip
     assert two == pytest.approx(2 * one, rel=0.01)
     assert 3.5 < one / small < 4.5
@@ -336,15 +338,22 @@ def test_the_planner_knows_an_sdxl_unet_without_its_weights(tmp_path: Path) -> N
               "train.per_device_batch_size=1", "data.resolution=1024",
               "train.memory_budget_gb=24"]  # fmt: skip
     budget = 24 * 2**30
-    estimates, _, _, sizes = plan.plan(load_config(common), world_size=1)
+
+    def estimates_of(overrides: list[str]) -> list:
+        return plan.plan(load_config(overrides), TEXT_TO_IMAGE.estimate_memory, world_size=1)[
+            0
+        ].estimates
+
+    figures = plan.plan(load_config(common), TEXT_TO_IMAGE.estimate_memory, world_size=1)[0]
+    estimates, sizes = figures.estimates, figures.sizes
     assert sizes.total == 2_567_463_684
     by_name = {e.preset: e for e in estimates}
     assert by_name["z0"].model_states > 16 * sizes.total * 0.99  # at least the ZeRO paper's 16 B
     assert by_name["z0"].reference > 2 * sizes.total  # the frozen base UNet in 16-bit
     assert 8 * 2**30 < by_name["z0"].activations < 20 * 2**30
     assert plan.choose(estimates, budget)[0].preset == "z3_offload"
-    lora = plan.plan(load_config([*common, "model.lora.enabled=true"]), world_size=1)[0]
+    lora = estimates_of([*common, "model.lora.enabled=true"])
     assert lora[0].reference < by_name["z0"].reference / 10  # no copy of the UNet
     assert plan.choose(lora, budget)[0].preset == "z0"
-    checkpointed = load_config([*common, "speed.gradient_checkpointing=true"])
-    assert plan.plan(checkpointed, world_size=1)[0][0].activations < 2 * 2**30
+    checkpointed = estimates_of([*common, "speed.gradient_checkpointing=true"])
+    assert checkpointed[0].activations < 2 * 2**30

@@ -124,10 +124,10 @@ def test_dpo_zero3_export_holds_the_trained_weights(
     eval log-probs after training."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from align_anything.data import collate_preference
-    from align_anything.data.encode import encode_preference
     from align_anything.data.formats import load_records
-    from align_anything.forward import completion_logps
+    from align_anything.families.language import collate_preference
+    from align_anything.families.language.encode import encode_preference
+    from align_anything.families.language.forward import completion_logps
 
     run = dpo_two_ranks[("z3", "precompute")].check()
     final = run.output_dir / "final"

@@ -11,7 +11,7 @@ from conftest import SFT_ARGS, TINY_MODEL, RunResult, launch
 from safetensors.torch import load_file
 
 from align_anything.backend.universal import checkpoint_state_dict
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.zoo import resolve_model_path
 
 # End to end: every test here launches the real trainer (conftest.launch).
 pytestmark = pytest.mark.slow

@@ -475,7 +475,7 @@ def test_final_stores_a_tied_embedding_once_and_equals_the_export_of_the_last_ch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     final = finished_run.check().output_dir / "final"
     base = Path(resolve_model_path("tiny-random-llama")) / "model.safetensors"
@@ -512,8 +512,8 @@ def test_export_of_an_image_text_checkpoint_is_complete(tmp_path: Path) -> None:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from align_anything.data.synthetic import make_dataset
-    from align_anything.models.loading import load_processor
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.language.loading import load_processor
+    from align_anything.families.zoo import resolve_model_path
 
     data = make_dataset("shapes", tmp_path / "shapes", rows=12, seed=0, text_every=2)
     run_dir = tmp_path / "run"

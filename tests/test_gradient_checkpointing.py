@@ -36,7 +36,7 @@ def test_lora_sft_with_checkpointing_equals_without(tmp_path: Path) -> None:
 def test_a_model_without_checkpointing_support_is_a_clear_error() -> None:
     import torch
 
-    from align_anything.models.loading import enable_gradient_checkpointing
+    from align_anything.families.language.loading import enable_gradient_checkpointing
 
     with pytest.raises(ConfigError, match=r"Linear \(my-model\) does not support gradient ch"):
         enable_gradient_checkpointing(torch.nn.Linear(2, 2), "my-model")

@@ -13,8 +13,8 @@ import torch
 
 from align_anything.config import load_config
 from align_anything.errors import ConfigError
+from align_anything.generation.rollout import GumbelSampler, HFGenerate, Sampling, cut_at_stop
 from align_anything.train import main
-from align_anything.training.rollout import GumbelSampler, HFGenerate, Sampling, cut_at_stop
 
 TINY = "model.name_or_path=tiny-random-llama"
 
@@ -69,7 +69,8 @@ class _PlainEngine:
 
 @pytest.fixture(scope="module")
 def tiny_backend() -> tuple[HFGenerate, object]:
-    from align_anything.models import loading, zoo
+    from align_anything.families import zoo
+    from align_anything.families.language import loading
 
     path = zoo.resolve_model_path("tiny-random-llama")
     model = loading.load_model(path, reward=False, dtype=torch.float32)
@@ -106,8 +107,8 @@ def test_completions_do_not_depend_on_the_batch_they_are_drawn_in(tiny_backend) 
 def test_completion_token_logps_are_each_completion_token_left_aligned(
     tiny_backend, completion_only: bool
 ) -> None:
-    from align_anything.data.batches import Rows
-    from align_anything.forward import completion_token_logps
+    from align_anything.families.language.batches import Rows
+    from align_anything.families.language.forward import completion_token_logps
 
     backend, _ = tiny_backend
     model = backend.engine.module
@@ -203,13 +204,15 @@ def test_bad_rl_input_is_one_error_before_any_compute(
 
 
 def test_planner_counts_generation_reference_and_reward_model() -> None:
-    from align_anything import plan
     from align_anything.config import load_preset
+    from align_anything.families.language import memory as plan
+    from align_anything.families.language.sizes import ModelSizes
+    from align_anything.training.memory_plan import Estimate
 
-    sizes = plan.ModelSizes(total=1000, trainable=1000, largest_layer=100, hidden=8, layers=2,
+    sizes = ModelSizes(total=1000, trainable=1000, largest_layer=100, hidden=8, layers=2,
                             vocab=10)  # fmt: skip
 
-    def estimate(preset: str, overrides: list[str]) -> plan.Estimate:
+    def estimate(preset: str, overrides: list[str]) -> Estimate:
         cfg = load_config(["task=grpo", "train.per_device_batch_size=2", "data.max_length=16",
                            "grpo.generation_batch_size=4", *overrides])  # fmt: skip
         return plan.estimate_preset(
@@ -236,7 +239,7 @@ def test_the_decode_loop_samples_what_generate_samples(tiny_backend, greedy: boo
     """`decode.sample_completions` (each prompt prefilled once, its cache copied, finished
     sequences retired) gives the completions transformers' `generate` gives with the same
     per-completion generators: the prompts' left padding, positions and noise order agree."""
-    from align_anything.training.rollout import completion_seed, stop_token_ids
+    from align_anything.generation.rollout import completion_seed, stop_token_ids
 
     backend, tokenizer = tiny_backend
     prompts = [

@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from align_anything.data import collate_unpaired
-from align_anything.data.batches import SharedPrefix
-from align_anything.data.builtin import BUILTIN_DATASETS, builtin_path, generate, to_jsonl
+from align_anything.data.builtin import ARITH_DATASETS, builtin_path, generate, to_jsonl
 from align_anything.data.convert import RowRejected, parse_label
-from align_anything.data.encode import encode_unpaired
 from align_anything.data.formats import check_kind, load_records, unpair
-from align_anything.data.layouts import supports_shared_prompt
 from align_anything.errors import DataError
-from align_anything.forward import completion_forward, sequence_logps
+from align_anything.families.language import collate_unpaired
+from align_anything.families.language.batches import SharedPrefix
+from align_anything.families.language.encode import encode_unpaired
+from align_anything.families.language.forward import completion_forward, sequence_logps
+from align_anything.families.language.layouts import supports_shared_prompt
+from align_anything.families.language.loading import load_tokenizer
+from align_anything.families.zoo import resolve_model_path
 from align_anything.losses import kto_kl_reference, kto_loss
-from align_anything.models.loading import load_tokenizer
-from align_anything.models.zoo import resolve_model_path
 from align_anything.tasks.kto import (
     balance_note,
     collate_rows,
@@ -233,7 +233,7 @@ def test_builtin_files_equal_their_generator() -> None:
     """Every shipped file (arith-kto included) is exactly what `generate()` writes, and
     arith-kto holds arith-pref's pairs as unpaired rows."""
     generated = generate()
-    for name in BUILTIN_DATASETS:
+    for name in ARITH_DATASETS:
         assert builtin_path(name).read_text(encoding="utf-8") == to_jsonl(generated[name]), name
     pairs, rows = generated["arith-pref"], generated["arith-kto"]
     assert len(rows) == 2 * len(pairs) and sum(r["label"] for r in rows) == len(pairs)
@@ -429,13 +429,15 @@ def test_bad_kto_input_is_one_error_before_any_compute(
 
 
 def test_planner_counts_the_kto_reference_as_for_dpo() -> None:
-    from align_anything import plan
     from align_anything.config import load_config, load_preset
+    from align_anything.families.language import memory as plan
+    from align_anything.families.language.sizes import ModelSizes
+    from align_anything.training.memory_plan import Estimate
 
-    sizes = plan.ModelSizes(total=1000, trainable=1000, largest_layer=100, hidden=8, layers=2,
+    sizes = ModelSizes(total=1000, trainable=1000, largest_layer=100, hidden=8, layers=2,
                             vocab=10)  # fmt: skip
 
-    def estimate(preset: str, overrides: list[str]) -> plan.Estimate:
+    def estimate(preset: str, overrides: list[str]) -> Estimate:
         cfg = load_config(["train.per_device_batch_size=2", "data.max_length=16", *overrides])
         return plan.estimate_preset(
             preset, load_preset(preset)[0], sizes, cfg, world_size=2, gpus_per_node=2,

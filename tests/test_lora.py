@@ -19,11 +19,11 @@ import torch
 from conftest import DPO_ARGS, REPO_ROOT, RM_ARGS, SFT_ARGS, TINY_MODEL, RunResult, launch
 from safetensors.torch import load_file
 
-from align_anything.data import collate_preference
-from align_anything.data.encode import encode_preference
 from align_anything.data.formats import load_records
-from align_anything.forward import completion_forward
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.language import collate_preference
+from align_anything.families.language.encode import encode_preference
+from align_anything.families.language.forward import completion_forward
+from align_anything.families.zoo import resolve_model_path
 
 # End to end: every test here launches the real trainer (conftest.launch).
 pytestmark = pytest.mark.slow
@@ -197,7 +197,7 @@ def test_score_takes_the_adapter_folder_of_a_lora_reward_model(
 ) -> None:
     """final/ of a LoRA rm run is an adapter; score applies it to the base model and scores as
     the merged folder does. Content given as text parts scores like the joined text."""
-    from align_anything.tools.score import score_rows
+    from align_anything.rewards.scoring import score_rows
 
     parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
     rows = [{"prompt": "is 3 > 2?", "response": "yes"},

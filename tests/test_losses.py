@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from align_anything.data import IGNORE_INDEX
-from align_anything.forward import completion_logps, token_logps
+from align_anything.families.language import IGNORE_INDEX
+from align_anything.families.language.forward import completion_logps, token_logps
+from align_anything.families.language.reward_head import last_real_index
 from align_anything.losses import (
     DPO_LOSS_TYPES,
     aot_loss,
@@ -34,7 +35,6 @@ from align_anything.losses import (
     sigmoid_norm_loss,
     sppo_hard_loss,
 )
-from align_anything.models.reward_head import last_real_index
 
 LN2 = 0.6931471805599453
 LN4 = 1.3862943611198906

@@ -19,13 +19,13 @@ import pytest
 import torch
 from conftest import RunResult, launch
 
-from align_anything.data import IGNORE_INDEX, collate_preference, collate_sft
-from align_anything.data.encode import encode_preference, encode_sft
-from align_anything.data.multimodal import MediaSupport
 from align_anything.data.synthetic import SAMPLING_RATE, make_dataset
-from align_anything.forward import completion_forward
-from align_anything.models.loading import load_model, load_processor
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.language import IGNORE_INDEX, collate_preference, collate_sft
+from align_anything.families.language.encode import encode_preference, encode_sft
+from align_anything.families.language.forward import completion_forward
+from align_anything.families.language.loading import load_model, load_processor
+from align_anything.families.language.multimodal import MediaSupport
+from align_anything.families.zoo import resolve_model_path
 from align_anything.train import main
 from align_anything.training.batching import step_indices
 
@@ -390,7 +390,7 @@ def test_image_rm_export_loads_with_from_pretrained(
     from PIL import Image
     from transformers import AutoModelForSequenceClassification, AutoProcessor
 
-    from align_anything.models.reward_head import register_builtin_reward_classes
+    from align_anything.families.language.reward_head import register_builtin_reward_classes
 
     register_builtin_reward_classes()
 

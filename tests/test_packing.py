@@ -19,17 +19,17 @@ import torch
 from conftest import SFT_ARGS, launch
 from transformers import AutoModelForCausalLM
 
-from align_anything.data import IGNORE_INDEX, collate_sft
-from align_anything.data.packing import (
+from align_anything.errors import ConfigError
+from align_anything.families.language import IGNORE_INDEX, collate_sft
+from align_anything.families.language.forward import completion_forward
+from align_anything.families.language.loading import check_attention, load_config
+from align_anything.families.language.packing import (
     PackedRows,
     best_fit_decreasing,
     collate_packed,
     fill_share,
 )
-from align_anything.errors import ConfigError
-from align_anything.forward import completion_forward
-from align_anything.models.loading import check_attention, load_config
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.zoo import resolve_model_path
 from align_anything.train import main
 
 # ---------------------------------------------------------------------------- best-fit decreasing

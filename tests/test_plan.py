@@ -9,19 +9,23 @@ from pathlib import Path
 import pytest
 from conftest import SFT_ARGS, launch
 
-from align_anything import plan
 from align_anything.config import load_config, load_preset
+from align_anything.errors import ConfigError
+from align_anything.families.language import memory as lm_memory
+from align_anything.families.language.family import LANGUAGE_MODELS
+from align_anything.families.language.sizes import ModelSizes
 from align_anything.tools import plan as plan_tool
+from align_anything.training import memory_plan as plan
 
 GIB = 2**30
 # A made-up model small enough to derive every figure by hand.
-SIZES = plan.ModelSizes(total=1000, trainable=1000, largest_layer=100, hidden=8, layers=2, vocab=10)
+SIZES = ModelSizes(total=1000, trainable=1000, largest_layer=100, hidden=8, layers=2, vocab=10)
 
 
 def _estimate(preset: str, overrides: list[str], *, sizes=SIZES, world=2, precision="fp32"):
     cfg = load_config(["train.per_device_batch_size=2", "data.max_length=16", *overrides])
     ds_config, _ = load_preset(preset)
-    return plan.estimate_preset(
+    return lm_memory.estimate_preset(
         preset, ds_config, sizes, cfg, world_size=world, gpus_per_node=world, precision=precision
     )
 
@@ -60,7 +64,7 @@ def test_activations_reference_and_lora() -> None:
     assert dpo.reference == 1000 * 4 / 2  # frozen fp32 weights, partitioned under ZeRO-3
     assert _estimate("z0", ["task=dpo"]).reference == 4000
     assert _estimate("z0", ["task=dpo", "dpo.loss_type=simpo"]).reference == 0
-    lora_sizes = plan.ModelSizes(total=1000, trainable=100, largest_layer=100, hidden=8,
+    lora_sizes = ModelSizes(total=1000, trainable=100, largest_layer=100, hidden=8,
                                  layers=2, vocab=10)  # fmt: skip
     lora = _estimate("z0", ["task=dpo", "model.lora.enabled=true"], sizes=lora_sizes)
     assert lora.reference == 0  # the base model with adapters off is the reference
@@ -83,7 +87,7 @@ def test_auto_takes_the_lowest_stage_that_fits() -> None:
     assert "z0 needs 30.00 GiB" in reason
     assert plan.choose(estimates, 40 * GIB)[0].preset == "z0"
     assert plan.choose(estimates, 6 * GIB)[0].preset == "z3_offload"
-    with pytest.raises(plan.ConfigError, match="no preset fits .* smallest estimate is z3_offload"):
+    with pytest.raises(ConfigError, match="no preset fits .* smallest estimate is z3_offload"):
         plan.choose(estimates, 5 * GIB)
 
 
@@ -103,8 +107,8 @@ def test_train_with_auto_follows_the_planner(tmp_path: Path) -> None:
     on one process (with one rank, ZeRO-2/3 partition nothing)."""
     overrides = [*SFT_ARGS, "train.max_steps=1"]
     cfg = load_config(overrides)
-    estimates, _, _, _ = plan.plan(cfg, world_size=1)
-    by_name = {e.preset: e for e in estimates}
+    figures, _, _ = plan.plan(cfg, LANGUAGE_MODELS.estimate_memory, world_size=1)
+    by_name = {e.preset: e for e in figures.estimates}
     budget = (by_name["z3_offload"].total + by_name["z3"].total) / 2 / plan.HEADROOM / GIB
     run = launch(
         [*overrides, "deepspeed=auto", f"train.memory_budget_gb={budget}",

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from align_anything import config_sections as config_module
 from align_anything import losses
 from align_anything.config import load_config
-from align_anything.config_sections import PPOSection
+from align_anything.config import sections as config_module
+from align_anything.config.sections import PPOSection
 from align_anything.errors import ConfigError
-from align_anything.models import value
+from align_anything.families.language import value
 
 # The `ppo:` block proposed for configs/task/ppo.yaml (the values the lead's file would give).
 PPO_DEFAULTS = {

@@ -13,20 +13,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from align_anything.data import IGNORE_INDEX
-from align_anything.data.batches import Rows
-from align_anything.data.layouts import PrefixGroup, collate_shared_prefix
 from align_anything.errors import ConfigError
-from align_anything.forward import (
+from align_anything.families import zoo
+from align_anything.families.language import IGNORE_INDEX, loading
+from align_anything.families.language.batches import Rows
+from align_anything.families.language.forward import (
     completion_token_logps,
     completion_token_logps_and_entropy,
     completion_token_values,
     sequence_scores,
     shared_prefix_token_values,
 )
+from align_anything.families.language.layouts import PrefixGroup, collate_shared_prefix
+from align_anything.families.language.value import ValueModel, load_critic
 from align_anything.losses import token_entropy
-from align_anything.models import loading, zoo
-from align_anything.models.value import ValueModel, load_critic
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TINY = "tiny-random-llama"
@@ -160,7 +160,7 @@ def test_critic_init_refuses_the_wrong_kind_of_folder(tiny_rm: Path) -> None:
 
 
 def test_critic_with_lora_trains_adapters_and_head(tiny_rm: Path) -> None:
-    from align_anything.models.prepare import prepare_for_training
+    from align_anything.families.language.prepare import prepare_for_training
 
     plain = ValueModel(load_critic(str(tiny_rm), init="reward_model", dtype=torch.float32))
     scorer = load_critic(str(tiny_rm), init="reward_model", dtype=torch.float32)
@@ -216,9 +216,9 @@ def _zero3_probe(rm: str, out: str) -> dict:
     from align_anything.backend.engine import Engine
     from align_anything.backend.zero_init import model_init_context
     from align_anything.config import load_preset
+    from align_anything.families.language.export import write_final
+    from align_anything.families.language.prepare import prepare_for_training
     from align_anything.losses import loss_items, loss_sum, value_loss
-    from align_anything.models.prepare import prepare_for_training
-    from align_anything.training.checkpoints import write_final
 
     world = setup_distributed().world_size
     adam = AdamSettings(1e-4, (0.9, 0.999), 1e-8, 0.0)
@@ -285,7 +285,7 @@ def test_critic_under_zero3_with_lora_trains_and_exports(tiny_rm: Path, tmp_path
     before, after = torch.tensor(probe["before"]), torch.tensor(probe["after"])
     assert ((after - 1).abs() < (before - 1).abs())[mask].all(), (before, after)
     # The export is a LoRA adapter of the reward model; applied, it gives the trained values.
-    from align_anything.models import lora
+    from align_anything.families.language import lora
 
     assert lora.is_adapter_folder(out)
     model, _ = lora.load_adapter_model(out, str(tiny_rm), task="rm")

@@ -17,11 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from align_anything.config_sections import PPOSection
-from align_anything.models import loading, zoo
-from align_anything.models.value import ValueModel, load_critic
-from align_anything.tasks import online, rollouts
-from align_anything.tasks.ppo import PPO
+from align_anything.config.sections import PPOSection
+from align_anything.families import zoo
+from align_anything.families.language import loading
+from align_anything.families.language.value import ValueModel, load_critic
+from align_anything.tasks.online import common as online
+from align_anything.tasks.online import rollouts
+from align_anything.tasks.online.ppo import PPO
 
 PATH = zoo.resolve_model_path("tiny-random-llama")
 # The config's defaults (configs/task/ppo.yaml) with what this test varies.
@@ -318,16 +320,20 @@ def test_the_memory_planner_and_deepspeed_auto_count_the_critic() -> None:
     """The critic's weights, gradients and Adam moments (fp32 on CPU: 16 bytes a parameter
     under ZeRO-0) and its activations join the policy's; `deepspeed=auto` with a budget that
     fits the run without a critic but not with one leaves ZeRO-0."""
-    from align_anything import plan
     from align_anything.config import load_config
-    from align_anything.models.sizes import model_sizes
+    from align_anything.families.language.family import LANGUAGE_MODELS
+    from align_anything.families.language.sizes import model_sizes
+    from align_anything.training import memory_plan as plan
+
+    def estimates(overrides: list[str]) -> list:
+        return plan.plan(load_config(overrides), LANGUAGE_MODELS.estimate_memory, world_size=1)[
+            0
+        ].estimates
 
     base = ["task=ppo", "model.name_or_path=tiny-random-llama", "train.per_device_batch_size=8",
             "ppo.num_generations=4", "train.precision=fp32"]  # fmt: skip
-    with_critic, *_ = plan.plan(load_config(base), world_size=1)
-    without, *_ = plan.plan(
-        load_config([*base, "ppo.advantage_estimator=reinforce_plus_plus"]), world_size=1
-    )
+    with_critic = estimates(base)
+    without = estimates([*base, "ppo.advantage_estimator=reinforce_plus_plus"])
     critic = model_sizes("tiny-random-llama", reward=True, trust_remote_code=False, adapters=None)
     z0, z0_without = with_critic[0], without[0]
     assert z0.preset == "z0"

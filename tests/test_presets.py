@@ -107,7 +107,7 @@ def test_preset_works_unchanged_in_hf_trainer(
     from transformers import TrainingArguments
 
     from align_anything.backend.ds_config import AdamSettings
-    from align_anything.models.loading import load_config as load_model_config
+    from align_anything.families.language.loading import load_config as load_model_config
 
     preset = json.loads(preset_file.read_text())
     args = TrainingArguments(
@@ -271,9 +271,16 @@ def test_preset_precision_flags_on_cpu() -> None:
     config, _, precision = resolve(preset)
     assert precision == "bf16"  # an explicit preset flag wins over auto, even on CPU
     assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
-    config, _, precision = resolve(all_auto_preset(), precision="fp16")
-    assert precision == "fp16"
-    assert config["fp16"]["enabled"] is True and config["bf16"]["enabled"] is False
+    # fp16 is not for a CPU (DeepSpeed's CPU accelerator has no fp16): one message before any
+    # model loads, naming what this device trains in.
+    with pytest.raises(
+        ConfigError, match=r"train.precision=fp16, but this device \(cpu\) trains in bf16 or fp32"
+    ):
+        resolve(all_auto_preset(), precision="fp16")
+    fp16_preset = all_auto_preset()
+    fp16_preset["fp16"] = {"enabled": True}
+    with pytest.raises(ConfigError, match="the preset enables fp16, but this device"):
+        resolve(fp16_preset)
 
 
 def test_auto_the_resolver_does_not_know_is_an_error() -> None:
@@ -461,8 +468,8 @@ def _probe_engine(name: str) -> dict[str, Any]:
     from align_anything.backend.ds_config import AdamSettings, resolve_ds_config, zero_stage_of
     from align_anything.backend.engine import Engine
     from align_anything.backend.zero_init import model_init_context
-    from align_anything.models.loading import load_config as load_model_config
-    from align_anything.models.loading import load_model, text_hidden_size
+    from align_anything.families.language.loading import load_config as load_model_config
+    from align_anything.families.language.loading import load_model, text_hidden_size
 
     setup_distributed()
     model_config = load_model_config(TINY_MODEL)

@@ -10,17 +10,17 @@ import pytest
 from PIL import Image
 
 from align_anything.data.formats import check_kind, load_records
-from align_anything.data.multimodal import MediaSupport
-from align_anything.data.prompts import (
+from align_anything.errors import ConfigError, DataError
+from align_anything.families.language.loading import load_processor, load_tokenizer
+from align_anything.families.language.multimodal import MediaSupport
+from align_anything.families.language.prompts import (
     ENDS_WITH_ASSISTANT,
     encode_prompt,
     encode_prompts,
     prompt_fields,
     to_prompt_records,
 )
-from align_anything.errors import ConfigError, DataError
-from align_anything.models.loading import load_processor, load_tokenizer
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.zoo import resolve_model_path
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +202,8 @@ def test_prompt_fields_leave_out_the_prompt_source_and_media() -> None:
 
 def test_builtin_prompt_sets() -> None:
     from align_anything.data.builtin import PROMPT_HINT, generate
+    from align_anything.families.language.evaluation import PROPERTY_CHECKS
     from align_anything.rewards import arith_exact
-    from align_anything.training.generation import PROPERTY_CHECKS
 
     generated = generate()
     questions = {}

@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import COMMON, DPO_ARGS, RECIPE_STEPS, TINY_MODEL, RunResult, launch
 
-from align_anything.data import collate_preference, collate_sft
-from align_anything.data.encode import encode_preference, encode_sft
 from align_anything.data.formats import load_records, split_records
-from align_anything.forward import completion_logps
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.language import collate_preference, collate_sft
+from align_anything.families.language.encode import encode_preference, encode_sft
+from align_anything.families.language.forward import completion_logps
+from align_anything.families.zoo import resolve_model_path
 
 # End to end: every test here launches the real trainer (conftest.launch).
 pytestmark = pytest.mark.slow

@@ -21,14 +21,14 @@ from conftest import REPO_ROOT, free_port
 from test_ppo_critic import make_reward_model
 
 from align_anything.errors import ConfigError
-from align_anything.rewards import RewardError, RowsFailed, score_completions
-from align_anything.rewards_remote import (
+from align_anything.rewards.functions import RewardError, RowsFailed, score_completions
+from align_anything.rewards.remote import (
     RemoteReward,
     headers_from_env,
     remote_reward_functions,
     shown_url,
 )
-from align_anything.tools.serve_reward import load_scorer, make_server
+from align_anything.rewards.server import load_scorer, make_server
 
 PROMPTS = [
     [{"role": "user", "content": "What is 2 + 3?"}],

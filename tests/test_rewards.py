@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from align_anything.errors import ConfigError, UserError
-from align_anything.rewards import (
+from align_anything.rewards import arith_exact, arith_format, length_penalty
+from align_anything.rewards.functions import (
     RewardError,
-    arith_exact,
-    arith_format,
-    length_penalty,
     load_reward_functions,
     score_completions,
 )
@@ -60,7 +58,10 @@ def test_length_penalty() -> None:
 
 def test_load_builtins_by_name() -> None:
     loaded = load_reward_functions(
-        ["align_anything.rewards:arith_exact", "align_anything.rewards:arith_format"]
+        [
+            "align_anything.rewards:arith_exact",
+            "align_anything.rewards:arith_format",
+        ]
     )
     assert loaded == [("arith_exact", arith_exact), ("arith_format", arith_format)]
 
@@ -150,7 +151,10 @@ def test_weights_sum_the_functions() -> None:
     # arith_exact: [1, 0, 0, 0]; arith_format: [1, 0, 0.5, 1].
     # total = 1.0·exact + 0.5·format = [1.5, 0, 0.25, 0.5].
     functions = load_reward_functions(
-        ["align_anything.rewards:arith_exact", "align_anything.rewards:arith_format"]
+        [
+            "align_anything.rewards:arith_exact",
+            "align_anything.rewards:arith_format",
+        ]
     )
     total, per_function = _score(functions, [1.0, 0.5])
     assert total.tolist() == [1.5, 0.0, 0.25, 0.5]
@@ -273,7 +277,7 @@ def test_a_call_past_its_deadline_is_an_error_naming_function_and_rows(user_modu
     or turning it into an error of its own: each is reported as the timeout."""
     import signal
 
-    from align_anything import rewards
+    from align_anything.rewards import functions as rewards
 
     before = signal.getsignal(signal.SIGUSR2)
     message = _timed(f"my_rewards:{name}")
@@ -295,8 +299,8 @@ def test_a_stop_signal_cuts_a_hung_call_short(user_module) -> None:
     import signal
     import threading
 
-    from align_anything import rewards
     from align_anything.errors import Preempted
+    from align_anything.rewards import functions as rewards
 
     def cut() -> None:
         while rewards.active_call() is None:

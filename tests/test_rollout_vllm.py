@@ -30,9 +30,9 @@ from conftest import REPO_ROOT, finish, free_port, launch, spawn, tail
 
 from align_anything.config import load_config
 from align_anything.errors import ConfigError
+from align_anything.generation import vllm as rollout_vllm
+from align_anything.generation.rollout import GumbelSampler, Sampling, completion_seed
 from align_anything.losses import logp_mismatch, truncated_importance_weights
-from align_anything.training import rollout_vllm
-from align_anything.training.rollout import GumbelSampler, Sampling, completion_seed
 
 VLLM_PYTHON = Path(
     os.environ.get("ALIGN_ANYTHING_VLLM_PYTHON") or REPO_ROOT / ".venv-vllm" / "bin" / "python"
@@ -149,7 +149,7 @@ def test_lora_weights_are_sent_merged() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-random-llama"))
     names = [n for n, _ in base.named_parameters()]
@@ -227,7 +227,7 @@ def server_measured(server: dict) -> dict[str, Any]:
     """`vllm_checks.measure` of the server backend, from this (the trainer's) environment."""
     import vllm_checks
 
-    from align_anything.training.rollout import stop_token_ids
+    from align_anything.generation.rollout import stop_token_ids
 
     model, tokenizer, rows = vllm_checks.load()
     client = rollout_vllm.RolloutClient(server["url"], timeout_s=600)
@@ -429,9 +429,9 @@ def _complete_checkpoints(output_dir: Path) -> list[Path]:
 def test_importance_weights_scale_the_grpo_and_rloo_losses() -> None:
     """GRPO multiplies each token's loss by its weight, RLOO each completion's (on-policy:
     ratio 1, so the loss is −A·w per token / per sequence, summed over the counted ones)."""
-    from align_anything.tasks.grpo import GRPO
-    from align_anything.tasks.online import RolloutBatch
-    from align_anything.tasks.rloo import RLOO
+    from align_anything.tasks.online.common import RolloutBatch
+    from align_anything.tasks.online.grpo import GRPO
+    from align_anything.tasks.online.rloo import RLOO
 
     logps = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])

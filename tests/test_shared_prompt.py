@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from align_anything.data import collate_preference
-from align_anything.data.batches import SharedPrefix
-from align_anything.data.layouts import collate_shared_prompt, supports_shared_prompt
-from align_anything.forward import completion_forward, shared_prefix_logps
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.language import collate_preference
+from align_anything.families.language.batches import SharedPrefix
+from align_anything.families.language.forward import completion_forward, shared_prefix_logps
+from align_anything.families.language.layouts import collate_shared_prompt, supports_shared_prompt
+from align_anything.families.zoo import resolve_model_path
 
 # Three pairs of different prompt and answer lengths (ids from the tiny vocabulary), so that
 # rows are padded differently in the two layouts.
@@ -81,8 +81,8 @@ def test_shared_prompt_layout() -> None:
 def test_shared_sft_prefix_equals_plain_rows() -> None:
     """An SFT micro-batch as one row (common unscored prefix once) gives the plain path's
     per-row sums, counts and gradients."""
-    from align_anything.data import IGNORE_INDEX, collate_sft
-    from align_anything.data.layouts import collate_shared_sft, common_unscored_prefix
+    from align_anything.families.language import IGNORE_INDEX, collate_sft
+    from align_anything.families.language.layouts import collate_shared_sft, common_unscored_prefix
 
     ignore = IGNORE_INDEX
     rows = [  # common prefix [5, 6, 7]; scored tokens start after it
@@ -128,7 +128,7 @@ def test_shared_sft_prefix_equals_plain_rows() -> None:
 def test_shared_prompt_rm_equals_plain_pairs(attn: str) -> None:
     """A reward model's pairs as shared-prompt rows give the plain path's scores, loss and
     gradients (the score read at each answer's last token, not at each row's)."""
-    from align_anything.models.loading import load_model
+    from align_anything.families.language.loading import load_model
     from align_anything.tasks.rm import RM
 
     path = resolve_model_path("tiny-random-llama")

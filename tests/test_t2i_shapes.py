@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from align_anything.data import shapes
 from align_anything.data.builtin import builtin_path
-from align_anything.models import t2i_shapes
+from align_anything.families.text_to_image import shapes
+from align_anything.families.text_to_image import shapes_model as t2i_shapes
 
 
 def _same_rows(shipped: list[dict], generated: list[dict]) -> bool:
@@ -201,7 +201,7 @@ def test_shipped_tokenizer_files_are_the_builders() -> None:
 
 
 def test_builtin_model_name_resolves_to_the_shipped_pipeline() -> None:
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     folder = t2i_shapes.SHIPPED_DIR
     assert resolve_model_path(t2i_shapes.NAME) == str(folder)

@@ -11,13 +11,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from align_anything.data.batches import Rows, SharedPrefix
-from align_anything.forward import completion_logps
-from align_anything.models import loading, zoo
+from align_anything.families import zoo
+from align_anything.families.language import loading
+from align_anything.families.language.batches import Rows, SharedPrefix
+from align_anything.families.language.forward import completion_logps
 from align_anything.tasks.dpo import DPO, PairBatch
-from align_anything.tasks.grpo import GRPO
 from align_anything.tasks.kto import KTO
-from align_anything.tasks.online import OnlineRL
+from align_anything.tasks.online.common import OnlineRL
+from align_anything.tasks.online.grpo import GRPO
 from align_anything.tasks.rm import RM
 from align_anything.tasks.sft import SFT
 from align_anything.training.task import LossOutput, Task

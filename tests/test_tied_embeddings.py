@@ -11,11 +11,11 @@ from conftest import SFT_ARGS, RunResult, launch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from align_anything.data import IGNORE_INDEX
-from align_anything.data.batches import Rows
-from align_anything.forward import completion_forward
-from align_anything.models.tied_embeddings import accumulate_in_place, tied_weight
-from align_anything.models.zoo import resolve_model_path
+from align_anything.families.language import IGNORE_INDEX
+from align_anything.families.language.batches import Rows
+from align_anything.families.language.forward import completion_forward
+from align_anything.families.language.tied_embeddings import accumulate_in_place, tied_weight
+from align_anything.families.zoo import resolve_model_path
 
 
 def _tiny() -> torch.nn.Module:

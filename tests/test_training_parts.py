@@ -19,9 +19,9 @@ from conftest import DIST_ENV_VARS
 
 from align_anything.backend import distributed as comm
 from align_anything.backend.ds_config import BatchPlan
-from align_anything.data import collate_sft
 from align_anything.data.formats import DataReport
 from align_anything.errors import ConfigError, DataError, UserError
+from align_anything.families.language import collate_sft
 from align_anything.training import report
 from align_anything.training.batching import rank_step_rows
 from align_anything.training.sources import RowBatches
@@ -213,7 +213,8 @@ Z0 = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
 
 
 def tiny(reward: bool = False) -> torch.nn.Module:
-    from align_anything.models import loading, zoo
+    from align_anything.families import zoo
+    from align_anything.families.language import loading
 
     return loading.load_model(
         zoo.resolve_model_path("tiny-random-llama"), reward=reward, dtype=torch.float32
@@ -233,8 +234,7 @@ def test_reference_is_the_loaded_model_frozen_or_the_adapter_disabled_policy(
     one_process_group: comm.DistInfo,
 ) -> None:
     from align_anything.backend.engine import InferenceEngine
-    from align_anything.models import lora
-    from align_anything.training import reference
+    from align_anything.families.language import lora, reference
 
     policy = policy_engine()
     loaded = []
@@ -266,8 +266,9 @@ def test_reference_is_the_loaded_model_frozen_or_the_adapter_disabled_policy(
 def test_generation_check_counts_greedy_answers_with_the_property(
     one_process_group: comm.DistInfo,
 ) -> None:
-    from align_anything.models import loading, zoo
-    from align_anything.training import generation
+    from align_anything.families import zoo
+    from align_anything.families.language import evaluation as generation
+    from align_anything.families.language import loading
 
     policy = policy_engine()
     tokenizer = loading.load_tokenizer(zoo.resolve_model_path("tiny-random-llama"))
@@ -297,8 +298,9 @@ def test_reward_model_scores_rendered_text_as_the_model_alone(
 ) -> None:
     """The online reward model re-renders prompt + completion through its chat template and
     reads the score at the last token: the scores a plain forward of that text gives."""
-    from align_anything.models import loading, zoo
-    from align_anything.training.reward_model import RewardModel
+    from align_anything.families import zoo
+    from align_anything.families.language import loading
+    from align_anything.rewards.model import RewardModel
 
     path = zoo.resolve_model_path("tiny-random-llama")
     tokenizer = loading.load_tokenizer(path)

@@ -32,7 +32,7 @@ class Policy:
 def load() -> tuple[Any, Any, list[dict]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.zoo import resolve_model_path
 
     path = resolve_model_path(MODEL)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -60,7 +60,7 @@ def hf_logprobs(model: Any, prompt: list[int], completion: list[int]) -> list[fl
 
 @torch.no_grad()
 def hf_greedy(model: Any, prompt: list[int], max_new: int, stop: list[int]) -> list[int]:
-    from align_anything.training.rollout import cut_at_stop
+    from align_anything.generation.rollout import cut_at_stop
 
     out = model.generate(
         torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=stop,
@@ -77,7 +77,7 @@ def measure(
     settings, compare with transformers, take one optimizer step (`step`, which moves the
     version the backend syncs by) and compare the engine's log-probs of a fixed completion with
     the updated model's."""
-    from align_anything.training.rollout import Sampling
+    from align_anything.generation.rollout import Sampling
 
     out: dict[str, Any] = {}
     stop = list(backend.stop)
@@ -171,9 +171,9 @@ def colocated() -> dict[str, Any]:
 
     import torch.distributed as dist
 
-    from align_anything.models.zoo import resolve_model_path
-    from align_anything.training import rollout_vllm
-    from align_anything.training.rollout import stop_token_ids
+    from align_anything.families.zoo import resolve_model_path
+    from align_anything.generation import vllm as rollout_vllm
+    from align_anything.generation.rollout import stop_token_ids
 
     os.environ.setdefault("MASTER_PORT", sys.argv[1] if len(sys.argv) > 1 else "29555")
     rollout_vllm.colocated_env(0, 0, 1)

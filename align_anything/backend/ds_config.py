@@ -157,6 +157,36 @@ ONE_PROCESS_ZERO3 = {
 }
 
 
+def preset_precision(
+    preset: dict[str, Any], requested: str, device: str, *, bf16_supported: bool,
+    explicit: frozenset[str] = frozenset(), conflicts: list[str] | None = None,
+) -> str:  # fmt: skip
+    """The precision a run with `preset` trains in: the preset's explicit bf16 / fp16 switch
+    wins over `auto`; an explicit `train.precision` that disagrees with it is a conflict
+    (appended to `conflicts`, else a `ConfigError`). fp16 on a CPU is a `ConfigError`: the CPU
+    accelerator trains in bf16 or fp32 only. The one place that reads a preset's precision."""
+    problems: list[str] = [] if conflicts is None else conflicts
+    bf16_flag = preset.get("bf16", {}).get("enabled", AUTO)
+    fp16_flag = preset.get("fp16", {}).get("enabled", AUTO)
+    from_preset = "bf16" if bf16_flag is True else "fp16" if fp16_flag is True else None
+    resolved = resolve_precision(requested, device, bf16_supported=bf16_supported)
+    if from_preset:
+        if "train.precision" in explicit and requested not in (AUTO, from_preset):
+            problems.append(f"train.precision={requested} but the preset enables {from_preset}")
+        resolved = from_preset
+    elif requested == AUTO and (bf16_flag is False and resolved == "bf16"):
+        resolved = "fp16" if fp16_flag is not False else "fp32"
+    if resolved == "fp16" and device == "cpu":
+        given = "the preset enables fp16" if from_preset else "train.precision=fp16"
+        raise ConfigError(
+            f"{given}, but this device (cpu) trains in bf16 or fp32 only: set "
+            "train.precision=fp32 (or auto, which is fp32 on a CPU)"
+        )
+    if conflicts is None and problems:
+        raise ConfigError("; ".join(problems))
+    return resolved
+
+
 def resolve_ds_config(
     preset: dict[str, Any],
     *,
@@ -200,20 +230,10 @@ def resolve_ds_config(
             f"train.max_grad_norm={max_grad_norm} but the preset sets gradient_clipping={clip}"
         )
 
-    # Precision: the preset's explicit enable flags win over `auto`; an explicit train.precision
-    # that disagrees with them is a conflict.
-    bf16_flag = config.get("bf16", {}).get("enabled", AUTO)
-    fp16_flag = config.get("fp16", {}).get("enabled", AUTO)
-    preset_precision = "bf16" if bf16_flag is True else "fp16" if fp16_flag is True else None
-    resolved = resolve_precision(precision, device, bf16_supported=bf16_supported)
-    if preset_precision:
-        if "train.precision" in explicit and precision not in (AUTO, preset_precision):
-            conflicts.append(
-                f"train.precision={precision} but the preset enables {preset_precision}"
-            )
-        resolved = preset_precision
-    elif precision == AUTO and (bf16_flag is False and resolved == "bf16"):
-        resolved = "fp16" if fp16_flag is not False else "fp32"
+    resolved = preset_precision(
+        config, precision, device, bf16_supported=bf16_supported, explicit=explicit,
+        conflicts=conflicts,
+    )  # fmt: skip
     config.setdefault("bf16", {})["enabled"] = resolved == "bf16"
     config.setdefault("fp16", {})["enabled"] = resolved == "fp16"
 

@@ -140,7 +140,7 @@ class Engine:
         total_steps: int,
         warmup_steps: int,
     ) -> None:
-        """`ds_config` is complete (see `align_anything.plan.resolve_deepspeed`), including
+        """`ds_config` is complete (see `align_anything.training.deepspeed_plan.resolve_deepspeed`), including
         DeepSpeed's `checkpoint.load_universal` flag when the checkpoint to resume from is a
         universal one (see `universal.convert_to_universal`)."""
         self.load_universal = bool(ds_config.get("checkpoint", {}).get("load_universal"))

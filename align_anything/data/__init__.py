@@ -1,35 +1,12 @@
-"""Data: files → canonical records → encoded rows in the on-disk Arrow cache → batches.
+"""Data, whatever the model: files and folders read and checked (`sources`), their rows as
+canonical records (`formats`: detection, columns, loading, splits; `convert`: one row of each
+format), media files (`media`), the built-in data sets (`builtin`, `synthetic`), and the on-disk
+cache's entries (`cache`: keyed, built under a temporary name, checked by a manifest).
 
-What training uses is exported here: the batch layouts and the collate functions that make
-them, the label convention, the per-split reports. The run's data is built by `pipeline` and
-cached by `cache`; the list encoders of `encode` (`encode_sft`, `encode_preference`, ...) and
-`formats.load_records` / `split_records` encode a list of records the way a run encodes each
-row, for scripts, benchmarks and tests: import them from their modules."""
+How a model family turns records into what it trains on lives in its own room: the language
+family tokenises them (`families.language.pipeline`, `encode`), the text-to-image family encodes
+images into latents (`families.text_to_image.latents`)."""
 
-from align_anything.data.batches import Layout, Packed, Rows, SharedPrefix, to_device
-from align_anything.data.collate import (
-    collate_margins,
-    collate_preference,
-    collate_sft,
-    collate_unpaired,
-    pad_rows,
-)
-from align_anything.data.encode import IGNORE_INDEX, TRUNCATION_MODES
 from align_anything.data.formats import FORMATS, DataReport
 
-__all__ = [
-    "FORMATS",
-    "IGNORE_INDEX",
-    "TRUNCATION_MODES",
-    "DataReport",
-    "Layout",
-    "Packed",
-    "Rows",
-    "SharedPrefix",
-    "collate_margins",
-    "collate_preference",
-    "collate_sft",
-    "collate_unpaired",
-    "pad_rows",
-    "to_device",
-]
+__all__ = ["FORMATS", "DataReport"]

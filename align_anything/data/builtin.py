@@ -52,7 +52,14 @@ BUILTIN_DATASETS: dict[str, str] = {
     "arith-kto": "arith_kto_train.jsonl",
     "arith-prompts": "arith_prompts_train.jsonl",
     "arith-prompts-eval": "arith_prompts_eval.jsonl",
+    # The text-to-image family's shapes world (`families/text_to_image/shapes.py` writes them).
+    "t2i-shapes": "t2i_shapes_train.parquet",
+    "t2i-shapes-val": "t2i_shapes_val.parquet",
+    "t2i-shapes-pref": "t2i_shapes_pref_train.parquet",
+    "t2i-shapes-eval": "t2i_shapes_eval.parquet",
+    "t2i-shapes-pref-eval": "t2i_shapes_pref_eval.parquet",
 }
+ARITH_DATASETS = tuple(name for name in BUILTIN_DATASETS if name.startswith("arith-"))
 
 SEED = 20250601
 PREF_TRAIN_ROWS = 96  # 12 steps of 8 pairs: one epoch is the default run
@@ -75,9 +82,7 @@ ANSWER_RE = re.compile(r"Answer: (-?\d+)")
 
 def builtin_path(name: str) -> Path | None:
     """The shipped file for a built-in dataset name, or None when `name` is not built in."""
-    from align_anything.data.shapes import SHAPE_DATASETS
-
-    filename = BUILTIN_DATASETS.get(name) or SHAPE_DATASETS.get(name)
+    filename = BUILTIN_DATASETS.get(name)
     return BUILTIN_DIR / filename if filename else None
 
 
@@ -266,7 +271,5 @@ def write_all(directory: Path = BUILTIN_DIR) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    from align_anything.data import shapes
-
-    for name, count in {**write_all(), **shapes.write_all()}.items():
+    for name, count in write_all().items():
         print(f"{name}: {count} rows -> {builtin_path(name)}")

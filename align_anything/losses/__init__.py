@@ -1,6 +1,6 @@
 """Loss functions, pure: tensors in, tensors out. No config objects, no distributed calls; the
 tasks turn config values into the keyword arguments. (Log-probs come from
-`align_anything.forward`; SFT's loss is the negative of their mean.)
+`align_anything.families.language.forward`; SFT's loss is the negative of their mean.)
 
 - `rules`: the DPO loss types by name and the rules for combining them (no torch: the run
   config reads them too);

@@ -7,7 +7,10 @@ The loop (`training/loop.py`) does not change."""
 
 from __future__ import annotations
 
-from align_anything.tasks import diffusion_dpo, diffusion_sft, dpo, grpo, kto, ppo, rloo, rm, sft
+from align_anything.tasks import dpo, kto, rm, sft
+from align_anything.tasks.diffusion import dpo as diffusion_dpo
+from align_anything.tasks.diffusion import sft as diffusion_sft
+from align_anything.tasks.online import grpo, ppo, rloo
 from align_anything.training.task import TaskSpec
 
 TASKS: dict[str, TaskSpec] = {

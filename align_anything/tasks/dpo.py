@@ -22,23 +22,24 @@ import torch
 from torch import Tensor
 
 from align_anything.config import RunConfig
-from align_anything.data import collate_preference
-from align_anything.data.batches import Rows, SharedPrefix, to_device
-from align_anything.data.encode import Encoding
-from align_anything.data.layouts import collate_shared_prompt, mask_dtype
-from align_anything.data.multimodal import MediaSupport
-from align_anything.forward import sequence_logps
-from align_anything.losses import dpo_loss, needs_reference
-from align_anything.training import generation, reference
-from align_anything.training.batching import step_indices
-from align_anything.training.run import Run
-from align_anything.training.setup import (
+from align_anything.families.language import collate_preference, reference
+from align_anything.families.language import evaluation as generation
+from align_anything.families.language.batches import Rows, SharedPrefix
+from align_anything.families.language.encode import Encoding
+from align_anything.families.language.family import (
+    LANGUAGE_MODELS,
     completion_only_logits,
     fresh_model_loader,
     shared_prompt_pairs,
 )
+from align_anything.families.language.forward import sequence_logps
+from align_anything.families.language.layouts import collate_shared_prompt, mask_dtype
+from align_anything.families.language.multimodal import MediaSupport
+from align_anything.losses import dpo_loss, needs_reference
+from align_anything.training.batching import step_indices, to_device
+from align_anything.training.run import Run
 from align_anything.training.sources import RowBatches, row_batches
-from align_anything.training.task import LossOutput, TaskSpec
+from align_anything.training.task import LossOutput, Task, TaskSpec
 
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -67,7 +68,7 @@ class PairBatch:
 
 
 @dataclass
-class DPO:
+class DPO(Task):
     """The DPO task. `reference`: the frozen reference model, or None when its log-probs are
     precomputed into the rows or the loss is reference-free."""
 
@@ -82,10 +83,7 @@ class DPO:
     check_generation: Any  # label -> held-out generation figures
     reference_seconds: float | None = None
     name: str = "dpo"
-    count_unit: str = "samples"
     metric_keys: tuple[str, ...] = METRICS
-    eval_loss: bool = True
-    eval_off: str | None = None
     reference_free: bool = field(default=False)
 
     def collate(self, rows: list[dict]) -> PairBatch:
@@ -110,9 +108,6 @@ class DPO:
 
     def count_tokens(self, batch: PairBatch) -> int:
         return batch.sequences.tokens
-
-    def before_losses(self, batches: list[PairBatch], real: list[bool]) -> None:
-        pass  # no statistic over the step
 
     def pair_logps(self, model: Any, batch: PairBatch) -> tuple[Tensor, Tensor, Tensor]:
         """Summed completion log-probs of the chosen and rejected completions, and the token
@@ -153,12 +148,6 @@ class DPO:
         if "sft" in out.terms:
             metrics["nll_loss"] = out.terms["sft"].detach().sum()
         return LossOutput({"policy": out.losses.sum() / normalizer}, metrics)
-
-    def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        return metrics
-
-    def after_step(self, step: int) -> None:
-        pass  # nothing of its own after a step
 
     def evaluate_extra(self, label: str) -> dict[str, float]:
         return self.check_generation()
@@ -253,4 +242,10 @@ def build(run: Run) -> tuple[DPO, RowBatches]:
     return task, row_batches(run, task.collate)
 
 
-SPEC = TaskSpec(name="dpo", record_kind="preference", encoding=encoding, build=build)
+SPEC = TaskSpec(
+    name="dpo",
+    record_kind="preference",
+    family=LANGUAGE_MODELS,
+    encoding=encoding,
+    build=build,
+)

@@ -48,24 +48,29 @@ from torch import Tensor
 
 from align_anything.backend import distributed as comm
 from align_anything.config import RunConfig
-from align_anything.data import IGNORE_INDEX, collate_unpaired
-from align_anything.data.batches import Rows, SharedPrefix, to_device
-from align_anything.data.encode import Encoding
-from align_anything.data.layouts import (
+from align_anything.errors import ConfigError, UserError
+from align_anything.families.language import IGNORE_INDEX, collate_unpaired, reference
+from align_anything.families.language import evaluation as generation
+from align_anything.families.language.batches import Rows, SharedPrefix
+from align_anything.families.language.encode import Encoding
+from align_anything.families.language.family import (
+    LANGUAGE_MODELS,
+    ModelSide,
+    completion_only_logits,
+    fresh_model_loader,
+)
+from align_anything.families.language.forward import sequence_logps
+from align_anything.families.language.layouts import (
     collate_shared_prompt,
     collate_shared_sft,
     mask_dtype,
     supports_shared_prompt,
 )
-from align_anything.errors import ConfigError, UserError
-from align_anything.forward import sequence_logps
 from align_anything.losses import kto_kl_reference, kto_loss
-from align_anything.training import generation, reference
-from align_anything.training.batching import step_indices
-from align_anything.training.run import Data, ModelSide, Run, Schedule
-from align_anything.training.setup import completion_only_logits, fresh_model_loader
+from align_anything.training.batching import step_indices, to_device
+from align_anything.training.run import Data, Run, Schedule
 from align_anything.training.sources import RowBatches, row_batches, row_schedule
-from align_anything.training.task import LossOutput, TaskSpec
+from align_anything.training.task import LossOutput, Task, TaskSpec
 
 # A row's precomputed reference log-probs: of its own completion, of its KL completion.
 REF_KEYS = ("ref_logps", "ref_kl_logps")
@@ -224,7 +229,7 @@ def schedule(cfg: RunConfig, data: Data, batch: Any) -> Schedule:
 
 
 @dataclass
-class KTO:
+class KTO(Task):
     """The KTO task. `reference`: the frozen reference model, or None when its log-probs are
     precomputed (`reference_logps`: (split, row[, partner]) -> (own, KL))."""
 
@@ -248,12 +253,9 @@ class KTO:
     reference_seconds: float | None = None
     kl: Tensor | None = None  # z0 of the current step or evaluation
     name: str = "kto"
-    count_unit: str = "samples"
     metric_keys: tuple[str, ...] = ("loss", "kl", "rewards/chosen", "rewards/rejected",
                                     "logps/chosen", "logps/rejected", "count/chosen",
                                     "count/rejected")  # fmt: skip
-    eval_loss: bool = True
-    eval_off: str | None = None
 
     # ------------------------------------------------------------------ rows and batches
 
@@ -365,9 +367,6 @@ class KTO:
             metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
         return metrics
 
-    def after_step(self, step: int) -> None:
-        pass  # nothing of its own after a step
-
     def evaluate_extra(self, label: str) -> dict[str, float]:
         return self.check_generation()
 
@@ -448,6 +447,6 @@ def build(run: Run) -> tuple[KTO, RowBatches]:
 
 
 SPEC = TaskSpec(
-    name="kto", record_kind="unpaired", encoding=encoding, build=build, check=check_text_only,
-    prepare_data=prepare_data, schedule=schedule,
+    name="kto", record_kind="unpaired", family=LANGUAGE_MODELS, encoding=encoding,
+    build=build, check=check_text_only, prepare_data=prepare_data, schedule=schedule,
 )  # fmt: skip

@@ -17,20 +17,20 @@ import torch
 from torch import Tensor
 
 from align_anything.config import RunConfig
-from align_anything.data import collate_preference
-from align_anything.data.batches import Rows, SharedPrefix
-from align_anything.data.collate import collate_margins
-from align_anything.data.encode import Encoding
-from align_anything.data.layouts import collate_shared_prompt, mask_dtype
-from align_anything.data.multimodal import MediaSupport
-from align_anything.data.rows import EncodedRows
 from align_anything.errors import DataError
-from align_anything.forward import sequence_scores, shared_prefix_scores
+from align_anything.families.language import collate_preference
+from align_anything.families.language.batches import Rows, SharedPrefix
+from align_anything.families.language.collate import collate_margins
+from align_anything.families.language.encode import Encoding
+from align_anything.families.language.family import LANGUAGE_MODELS, ModelSide, shared_prompt_pairs
+from align_anything.families.language.forward import sequence_scores, shared_prefix_scores
+from align_anything.families.language.layouts import collate_shared_prompt, mask_dtype
+from align_anything.families.language.multimodal import MediaSupport
+from align_anything.families.language.rows import EncodedRows
 from align_anything.losses import reward_loss
-from align_anything.training.run import Data, ModelSide, Run
-from align_anything.training.setup import shared_prompt_pairs
+from align_anything.training.run import Data, Run
 from align_anything.training.sources import RowBatches, row_batches
-from align_anything.training.task import LossOutput, TaskSpec
+from align_anything.training.task import LossOutput, Task, TaskSpec
 
 
 def encoding(cfg: RunConfig) -> Encoding:
@@ -75,7 +75,7 @@ class PairScores:
 
 
 @dataclass
-class RM:
+class RM(Task):
     """The reward-model task."""
 
     policy: Any
@@ -85,10 +85,7 @@ class RM:
     share_prompt: bool = False
     mask_dtype: torch.dtype | None = None
     name: str = "rm"
-    count_unit: str = "samples"
     metric_keys: tuple[str, ...] = ("loss", "accuracy", "margin", "reward_sum", "reward_sq_sum")
-    eval_loss: bool = True
-    eval_off: str | None = None
 
     def collate(self, rows: list[dict]) -> PairScores:
         if self.share_prompt:
@@ -108,9 +105,6 @@ class RM:
 
     def count_tokens(self, batch: PairScores) -> int:
         return batch.sequences.tokens
-
-    def before_losses(self, batches: list[PairScores], real: list[bool]) -> None:
-        pass  # no statistic over the step
 
     def loss(self, batch: PairScores, *, normalizer: float, training: bool) -> LossOutput:
         if isinstance(batch.sequences, SharedPrefix):
@@ -144,15 +138,6 @@ class RM:
             metrics["reward_std"] = max(mean_sq - mean * mean, 0.0) ** 0.5
         return metrics
 
-    def after_step(self, step: int) -> None:
-        pass  # nothing of its own after a step
-
-    def evaluate_extra(self, label: str) -> dict[str, float]:
-        return {}
-
-    def summary(self) -> dict[str, Any]:
-        return {}
-
 
 def build(run: Run) -> tuple[RM, RowBatches]:
     cfg, policy = run.cfg, run.policy
@@ -166,6 +151,6 @@ def build(run: Run) -> tuple[RM, RowBatches]:
 
 
 SPEC = TaskSpec(
-    name="rm", record_kind="preference", encoding=encoding, build=build, reward_head=True,
-    prepare_data=choose_pad_id,
+    name="rm", record_kind="preference", family=LANGUAGE_MODELS, encoding=encoding,
+    build=build, reward_head=True, prepare_data=choose_pad_id,
 )  # fmt: skip

@@ -15,17 +15,24 @@ from typing import Any
 import torch
 
 from align_anything.config import RunConfig
-from align_anything.data import IGNORE_INDEX, collate_sft
-from align_anything.data.batches import Layout, SharedPrefix
-from align_anything.data.encode import Encoding
-from align_anything.data.layouts import (
+from align_anything.errors import ConfigError
+from align_anything.families.language import IGNORE_INDEX, collate_sft
+from align_anything.families.language.batches import Layout, SharedPrefix
+from align_anything.families.language.encode import Encoding
+from align_anything.families.language.family import (
+    LANGUAGE_MODELS,
+    ModelSide,
+    completion_only_logits,
+)
+from align_anything.families.language.forward import sequence_logps
+from align_anything.families.language.layouts import (
     DENSE_MASK_ATTENTION,
     collate_shared_sft,
     mask_dtype,
     supports_shared_prompt,
 )
-from align_anything.data.multimodal import MediaSupport
-from align_anything.data.packing import (
+from align_anything.families.language.multimodal import MediaSupport
+from align_anything.families.language.packing import (
     FLATTENED_KERNELS,
     PACKING_KERNELS,
     PackedRows,
@@ -34,12 +41,9 @@ from align_anything.data.packing import (
     collate_packed,
     fill_share,
 )
-from align_anything.errors import ConfigError
-from align_anything.forward import sequence_logps
-from align_anything.training.run import Data, ModelSide, Run
-from align_anything.training.setup import completion_only_logits
+from align_anything.training.run import Data, Run
 from align_anything.training.sources import RowBatches, row_batches
-from align_anything.training.task import LossOutput, TaskSpec
+from align_anything.training.task import LossOutput, Task, TaskSpec
 
 
 def encoding(cfg: RunConfig) -> Encoding:
@@ -72,7 +76,7 @@ def pack_rows(cfg: RunConfig, model: ModelSide, data: Data) -> list[str]:
 
 
 @dataclass
-class SFT:
+class SFT(Task):
     """The SFT task: a batch is one layout (`Rows`, `Packed` or `SharedPrefix`)."""
 
     policy: Any
@@ -85,8 +89,6 @@ class SFT:
     name: str = "sft"
     count_unit: str = "tokens"
     metric_keys: tuple[str, ...] = ("loss",)
-    eval_loss: bool = True
-    eval_off: str | None = None
 
     def collate(self, rows: list[dict]) -> Layout:
         if rows and isinstance(rows[0], PackedSequence):
@@ -109,9 +111,6 @@ class SFT:
     def count_tokens(self, batch: Layout) -> int:
         return batch.tokens
 
-    def before_losses(self, batches: list[Layout], real: list[bool]) -> None:
-        pass  # no statistic over the step
-
     def loss(self, batch: Layout, *, normalizer: float, training: bool) -> LossOutput:
         logp_sum, _ = sequence_logps(self.policy, batch, completion_only=self.completion_only)
         nll = -logp_sum.sum()
@@ -121,15 +120,6 @@ class SFT:
         if "loss" in metrics:
             metrics["perplexity"] = math.exp(min(metrics["loss"], 50.0))
         return metrics
-
-    def after_step(self, step: int) -> None:
-        pass  # nothing of its own after a step
-
-    def evaluate_extra(self, label: str) -> dict[str, float]:
-        return {}
-
-    def summary(self) -> dict[str, Any]:
-        return {}
 
 
 def build(run: Run) -> tuple[SFT, RowBatches]:
@@ -159,6 +149,6 @@ def build(run: Run) -> tuple[SFT, RowBatches]:
 
 
 SPEC = TaskSpec(
-    name="sft", record_kind="conversation", encoding=encoding, build=build,
-    prepare_data=pack_rows,
+    name="sft", record_kind="conversation", family=LANGUAGE_MODELS, encoding=encoding,
+    build=build, prepare_data=pack_rows,
 )  # fmt: skip

@@ -22,7 +22,13 @@ from typing import Any, Literal
 from omegaconf import OmegaConf
 from pydantic import BaseModel
 
-from align_anything.config import CONFIG_DIR, TASK_SECTIONS, RunConfig, available_tasks, load_config
+from align_anything.config import (
+    CONFIG_DIR,
+    TASK_SECTIONS,
+    RunConfig,
+    available_tasks,
+    load_config,
+)
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 START = "<!-- config-reference:start -->"

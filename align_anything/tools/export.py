@@ -26,7 +26,7 @@ from align_anything.errors import ConfigError, UserError, report
 def check_target(out: Path, *, overwrite: bool) -> None:
     """Refuse, before any work, an --out that is a file or a non-empty folder; with
     `overwrite`, a non-empty folder only when an earlier export made it."""
-    from align_anything.models.lora import EXPORT_RECORD
+    from align_anything.families.language.lora import EXPORT_RECORD
 
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder: choose a folder path")
@@ -52,9 +52,9 @@ def export_checkpoint(checkpoint: str, out: str, *, overwrite: bool = False) -> 
     import torch
 
     from align_anything.backend.universal import checkpoint_state_dict
-    from align_anything.models import lora
-    from align_anything.models.loading import empty_model, load_text_side
-    from align_anything.models.zoo import resolve_model_path
+    from align_anything.families.language import lora
+    from align_anything.families.language.loading import empty_model, load_text_side
+    from align_anything.families.zoo import resolve_model_path
     from align_anything.training import checkpoints
 
     folder = Path(checkpoint)
@@ -122,8 +122,8 @@ def export_pipeline(folder: Path, run: dict, target: Path, *, record: dict) -> P
 
     from align_anything import atomic
     from align_anything.backend.universal import checkpoint_state_dict
-    from align_anything.models import diffusion
-    from align_anything.models.lora import EXPORT_RECORD
+    from align_anything.families import diffusion
+    from align_anything.families.language.lora import EXPORT_RECORD
 
     info = diffusion.inspect_pipeline(run["model"]["name_or_path"])
     extra = {EXPORT_RECORD: record}

@@ -1,5 +1,5 @@
 """Print the memory plan of a run: per-device memory of every shipped preset, and what
-`deepspeed=auto` would choose (see `align_anything.plan`).
+`deepspeed=auto` would choose (see `align_anything.training.memory_plan`).
 
     python -m align_anything plan task=dpo model.name_or_path=smollm2-135m-instruct
     python -m align_anything plan --world-size 8 task=sft model.name_or_path=Qwen/Qwen2.5-7B
@@ -15,7 +15,7 @@ import torch
 
 from align_anything.config import load_config
 from align_anything.errors import ConfigError, UserError, report
-from align_anything.plan import format_table, plan
+from align_anything.training.memory_plan import format_table, plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,12 +40,15 @@ def main(argv: list[str] | None = None) -> int:
                 )
         overrides = [o for o in args.overrides if not o.startswith("deepspeed=")]
         cfg = load_config(overrides)
-        estimates, budget, source, sizes = plan(
-            cfg, world_size=world, gpus_per_node=args.gpus_per_node
+        from align_anything.tasks import TASKS  # after the config: a bad key fails fast
+
+        family = TASKS[cfg.task].family
+        figures, budget, source = plan(
+            cfg, family.estimate_memory, world_size=world, gpus_per_node=args.gpus_per_node
         )
     except UserError as err:
         return report(err)
-    print(format_table(estimates, budget, source, sizes, cfg=cfg, world_size=world))
+    print(format_table(figures, budget, source, cfg=cfg, world_size=world))
     return 0
 
 

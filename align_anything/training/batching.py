@@ -4,11 +4,15 @@ micro-batch split, and a resumed run needs only the step number."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
+
+T = TypeVar("T")
 
 
 def step_indices(
@@ -96,3 +100,20 @@ def rank_step_rows(
         indices, micro=batch.micro_batch, accum=batch.grad_accum, world=batch.world_size,
         rank=rank,
     )  # fmt: skip
+
+
+def to_device(value: T, device: torch.device | str) -> T:
+    """`value` with every tensor inside it (dataclass fields, dicts, lists, tuples) on
+    `device`; anything else as it is."""
+    if isinstance(value, Tensor):
+        return value.to(device)  # type: ignore[return-value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: to_device(getattr(value, f.name), device) for f in dataclasses.fields(value)
+        }
+        return dataclasses.replace(value, **changes)  # type: ignore[return-value]
+    if isinstance(value, dict):
+        return {k: to_device(v, device) for k, v in value.items()}  # type: ignore[return-value]
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)  # type: ignore[return-value]
+    return value

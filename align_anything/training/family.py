@@ -1,13 +1,16 @@
 """What differs between the kinds of model a run can train, behind one typed seam: a
-`ModelFamily`, a record of the set-up and export steps that depend on the kind of model.
+`ModelFamily`, a record of the set-up, planning and export steps that depend on the kind of
+model. Each family is one room under `families/`, which builds its record:
 
-- language models (`setup.LANGUAGE_MODELS`): the model side is a transformers config and a
-  tokenizer or processor; the data are tokenised into the Arrow cache; the trained model is the
-  whole transformers model (or a PEFT model); `final/` is a transformers folder.
-- text-to-image pipelines (`text_to_image.PIPELINES`): the model side is the pipeline's parts
-  read from `model_index.json` and its frozen VAE and text encoders; the data are encoded once
-  into VAE latents and text embeddings; the trained model is the denoiser alone; `final/` is a
-  diffusers pipeline folder (a LoRA run's: the adapter diffusers' `load_lora_weights` reads).
+- language models (`families.language.family.LANGUAGE_MODELS`): the model side is a
+  transformers config and a tokenizer or processor; the data are tokenised into the Arrow
+  cache; the trained model is the whole transformers model (or a PEFT model); `final/` is a
+  transformers folder.
+- text-to-image pipelines (`families.text_to_image.family.TEXT_TO_IMAGE`): the model side is
+  the pipeline's parts read from `model_index.json` and its frozen VAE and text encoders; the
+  data are encoded once into VAE latents and text embeddings; the trained model is the
+  denoiser alone; `final/` is a diffusers pipeline folder (a LoRA run's: the adapter
+  diffusers' `load_lora_weights` reads).
 
 Each task names its family (`TaskSpec.family`), and `setup.setup` calls the family's steps in
 the same order for every run, so the set-up reads top to bottom with no branch on the kind of
@@ -19,17 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from align_anything.backend import ds_config as dsc
+from align_anything.backend.distributed import DistInfo
 from align_anything.backend.engine import Engine
 from align_anything.config import RunConfig
-
-if TYPE_CHECKING:
-    from align_anything.backend.distributed import DistInfo
-    from align_anything.plan import DeepSpeedPlan
-    from align_anything.training.run import Data, Run, Schedule
-    from align_anything.training.task import TaskSpec
+from align_anything.training.deepspeed_plan import DeepSpeedPlan
+from align_anything.training.memory_plan import Estimator
+from align_anything.training.run import Data, Run, Schedule
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,14 @@ class ModelFacts:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """The set-up and export steps of one kind of model (see the module docstring). Every hook
-    is a plain function:
+    """The set-up, planning and export steps of one kind of model (see the module docstring).
+    Every hook is a plain function. `spec` below is the task's registry entry
+    (`training.task.TaskSpec`: its name, record kind, encoding and hooks), passed through as
+    the family's steps need it.
 
     - `load_model_side(cfg, dist, spec)`: what set-up knows of the model before any
-      data or trained weights (`run.ModelSide` or `run.PipelineSide`); a folder of another kind
-      is a `ModelError` naming the tasks that train it;
+      data or trained weights (the language family's `ModelSide`, a pipeline family's
+      `PipelineSide`); a folder of another kind is a `ModelError` naming the tasks that train it;
     - `build_data(cfg, dist, model, spec)`: the encoded splits through the family's cache
       (local rank 0 builds, every rank opens; a data error stops every rank with one message)
       and their start-up summary lines;
@@ -61,19 +64,21 @@ class ModelFamily:
     - `build_policy(cfg, model, ds_plan, schedule, spec)`: the trained module (ZeRO-3:
       partitioned as it loads) in its engine, and summary lines;
     - `describe(run)`: the start-up summary's model facts;
-    - `save_final(run, state)`: rank 0 writes `final/` (and `final-ema/`, `final-merged/`)
-      from the gathered full state dict of the policy.
+    - `save_final(run)`: the exported folders (`final/`, and `final-ema/`, `final-merged/`,
+      `final-<name>` of an engine beside the policy) from gathered weights; collective, rank 0
+      writes;
+    - `estimate_memory(cfg, world_size, devices_per_node, precision)`: the memory planner's
+      estimate of the run under every shipped preset (`training.memory_plan`).
     """
 
     name: str
-    load_model_side: Callable[[RunConfig, DistInfo, TaskSpec], Any]
-    build_data: Callable[[RunConfig, DistInfo, Any, TaskSpec], tuple[Data, list[str]]]
+    load_model_side: Callable[[RunConfig, DistInfo, Any], Any]
+    build_data: Callable[[RunConfig, DistInfo, Any, Any], tuple[Data, list[str]]]
     bucket_width: Callable[[Any], int]
-    build_policy: Callable[
-        [RunConfig, Any, DeepSpeedPlan, Schedule, TaskSpec], tuple[Engine, list[str]]
-    ]
+    build_policy: Callable[[RunConfig, Any, DeepSpeedPlan, Schedule, Any], tuple[Engine, list[str]]]
     describe: Callable[[Run], ModelFacts]
-    save_final: Callable[[Run, Any], None]
+    save_final: Callable[[Run], None]
+    estimate_memory: Estimator
 
 
 def training_engine(

@@ -1,6 +1,6 @@
 """The end of a run: the exported folders (`final/`, `final-ema/`, `final-merged/`, and
-`final-<name>` of an engine trained beside the policy, e.g. PPO's `final-critic/`) and, on
-rank 0, the closing summary and `summary.json`."""
+`final-<name>` of an engine trained beside the policy, e.g. PPO's `final-critic/`), as the
+model family writes them, and, on rank 0, the closing summary and `summary.json`."""
 
 from __future__ import annotations
 
@@ -8,32 +8,19 @@ from pathlib import Path
 
 from align_anything import atomic
 from align_anything.backend import distributed as comm
-from align_anything.training import checkpoints, report
+from align_anything.training import report
+from align_anything.training.family import ModelFamily
 from align_anything.training.run import Run
 from align_anything.training.task import Task
 
 
-def save_final(run: Run) -> Path | None:
-    """Export `output_dir/final` (and `final-ema/`, `final-merged/`) from the policy's gathered
-    weights, as the model family writes it, and each engine trained beside the policy whose
-    model says how (`exported`) as `final-<name>` (PPO's critic: the reward-model folder it
-    wraps). Collective."""
-    cfg = run.cfg
-    if not cfg.checkpoint.save_final:
+def save_final(run: Run, family: ModelFamily) -> Path | None:
+    """Export `output_dir/final` (and `final-ema/`, `final-merged/`, and `final-<name>` of an
+    engine trained beside the policy) as the model family writes them (a transformers folder,
+    or a diffusers pipeline). Collective."""
+    if not run.cfg.checkpoint.save_final:
         return None
-    for name, engine in run.engines.items():
-        exported = getattr(engine.module, "exported", None)
-        if name == "policy" or exported is None:
-            continue
-        module, state = exported(engine.full_state_dict())
-        if run.dist.is_main:
-            checkpoints.write_final(
-                run.output.path / f"final-{name}", module, state,
-                tokenizer=run.model.saved_tokenizer, configs=run.configs(),
-            )  # fmt: skip
-    state = run.policy.full_state_dict()
-    if run.dist.is_main:
-        run.family.save_final(run, state)  # a transformers folder, or a diffusers pipeline
+    family.save_final(run)
     comm.barrier()
     return run.output.path / "final"
 

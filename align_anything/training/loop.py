@@ -24,19 +24,13 @@ import torch
 
 from align_anything.backend import distributed as comm
 from align_anything.backend import memory
-from align_anything.data.batches import to_device
 from align_anything.errors import Preempted, UserError
 from align_anything.training import checkpoints, report
-from align_anything.training.batching import shard_chunks
+from align_anything.training.batching import shard_chunks, to_device
 from align_anything.training.preemption import StopRequest, agreed_signal
 from align_anything.training.run import Run
 from align_anything.training.task import StepSource, Task
-from align_anything.training.tracking import (
-    MetricWindow,
-    Progress,
-    StepResult,
-    completions_table,
-)
+from align_anything.training.tracking import MetricWindow, Progress, StepResult, completions_table
 
 
 def train(run: Run, task: Task, source: StepSource, stop: StopRequest | None) -> None:

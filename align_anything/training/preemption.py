@@ -27,9 +27,8 @@ import os
 import signal
 import threading
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, Protocol
 
-from align_anything import rewards
 from align_anything.errors import Preempted
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -94,9 +93,26 @@ class StopRequest:
                 f"\n{name} received: finishing this step, then writing a checkpoint (send it "
                 "again, or press Ctrl-C, to stop at once)\n".encode(),
             )
-        call = rewards.active_call()
+        call = _waiting_on
         if call is not None:
             call.cut_short(REWARD_GRACE_S, signum)
+
+
+class CutShort(Protocol):
+    """A call the main thread waits on that a stop signal may cut short (a reward function's:
+    `rewards.functions.RewardCall`)."""
+
+    def cut_short(self, seconds: float, signum: int) -> None: ...
+
+
+_waiting_on: CutShort | None = None
+
+
+def waiting_on(call: CutShort | None) -> None:
+    """Register the call the main thread is in right now (None: it left it), so that a stop
+    signal gives it at most `REWARD_GRACE_S` more instead of waiting for the step to end."""
+    global _waiting_on
+    _waiting_on = call
 
 
 def launched_by_launcher() -> bool:

@@ -2,12 +2,13 @@
 task builders. Each part is its own small record, made by one set-up step:
 
 - `OutputClaim`: the output folder, its lock, the run id and the checkpoint to resume from;
-- `ModelSide`: the model's config, tokenizer or processor, media support, attention kernel —
-  everything known before any weights load; for a text-to-image pipeline `PipelineSide`: its
-  parts and target (from its JSON files), the frozen VAE and text encoders, the resolution;
+- the model side: what the model family read of the model before any weights load (the
+  language family's `ModelSide`: config, tokenizer or processor, media support, attention
+  kernel; a pipeline family's `PipelineSide`: its parts, frozen encoders, resolution);
 - `Data`: the encoded splits (memory-mapped Arrow), their reports and fingerprints;
 - `Schedule`: steps per epoch, total and warmup steps;
-- the DeepSpeed plan (`plan.DeepSpeedPlan`), the trained engines, the weight average;
+- the DeepSpeed plan (`deepspeed_plan.DeepSpeedPlan`), the trained engines, the weight
+  average;
 - `RunState`: the one part that changes while the loop runs (step, logged history).
 """
 
@@ -23,11 +24,8 @@ from align_anything.backend.distributed import DistInfo
 from align_anything.backend.engine import Engine
 from align_anything.config import RunConfig
 from align_anything.data.formats import DataReport
-from align_anything.data.multimodal import MediaSupport
-from align_anything.models.diffusion.pipeline import FrozenParts, PipelineInfo
-from align_anything.models.ema import WeightEMA
-from align_anything.plan import DeepSpeedPlan
-from align_anything.training.family import ModelFamily
+from align_anything.training.deepspeed_plan import DeepSpeedPlan
+from align_anything.training.ema import WeightEMA
 from align_anything.training.output_dir import Lock
 from align_anything.training.tracking import MetricsLogger
 
@@ -41,40 +39,6 @@ class OutputClaim:
     lock: Lock
     run_id: str
     resume_dir: Path | None
-
-
-@dataclass(frozen=True)
-class ModelSide:
-    """The model as far as set-up needs it before any weights: `name` as the user gave it,
-    `path` it resolved to, its config, tokenizer (for image-text / audio-text models the
-    processor's), the processor, media support for the data, the checked attention kernel."""
-
-    name: str
-    path: str
-    config: Any
-    tokenizer: Any
-    processor: Any | None
-    media: MediaSupport | None
-    attn_implementation: str | None
-
-    @property
-    def saved_tokenizer(self) -> Any:
-        """What is saved beside the weights: the processor, else the tokenizer."""
-        return self.processor or self.tokenizer
-
-
-@dataclass(frozen=True)
-class PipelineSide:
-    """A text-to-image pipeline as far as set-up needs it before the denoiser loads: `name` as
-    the user gave it, `path` it resolved to, `info` (family, parts, target, from its JSON
-    files), the frozen `parts` (VAE, text encoders, tokenizers, schedulers: whole on this
-    rank's device in the run's precision, outside any engine) and the training `resolution`."""
-
-    name: str
-    path: str
-    info: PipelineInfo
-    parts: FrozenParts
-    resolution: int
 
 
 @dataclass
@@ -129,8 +93,8 @@ class RunState:
 class Run:
     """Everything set-up made, for the loop (`loop.train`) and the task builders.
 
-    `family` is the kind of model (`training.family`: language models or text-to-image
-    pipelines), `model` what set-up read of it. `engines` holds the trained DeepSpeed engines
+    `model` is what the task's model family read of the model before any weights
+    (`training.family.ModelFamily.load_model_side`). `engines` holds the trained DeepSpeed engines
     by name: "policy" always (the model the run
     trains and exports), and any a task trains beside it (PPO's "critic"). `summary` collects
     the start-up summary's lines from every set-up step and task builder. `logger` exists on
@@ -141,8 +105,7 @@ class Run:
     cfg: RunConfig
     dist: DistInfo
     output: OutputClaim
-    family: ModelFamily
-    model: ModelSide | PipelineSide
+    model: Any
     data: Data
     ds_plan: DeepSpeedPlan
     schedule: Schedule

@@ -10,8 +10,7 @@ from typing import Any
 
 from align_anything.backend.ds_config import BatchPlan
 from align_anything.config import RunConfig
-from align_anything.data.batches import to_device
-from align_anything.training.batching import plan_steps, rank_step_rows
+from align_anything.training.batching import plan_steps, rank_step_rows, to_device
 from align_anything.training.run import Data, Run, Schedule
 from align_anything.training.task import StepBatches
 

@@ -4,8 +4,8 @@ step's micro-batches come from), and `TaskSpec`, the registry's entry that says 
 builds a task.
 
 A task is an object with its parts as fields (the policy engine, a reference model, a reward
-model, a generation backend, ...), given to it by its `build`; it inherits nothing. The loop
-calls only what this protocol names.
+model, a generation backend, ...), given to it by its `build`; it subclasses `Task` only for
+the defaults of the hooks it does not need. The loop calls only what this protocol names.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from torch import Tensor
 from align_anything.backend.ds_config import BatchPlan
 from align_anything.backend.engine import Engine
 from align_anything.config import RunConfig
-from align_anything.data.encode import Encoding
-from align_anything.plan import DeepSpeedPlan
+from align_anything.training.deepspeed_plan import DeepSpeedPlan
 from align_anything.training.family import ModelFamily
-from align_anything.training.run import Data, ModelSide, PipelineSide, Run, Schedule
+from align_anything.training.run import Data, Run, Schedule
 
 
 @dataclass
@@ -41,18 +40,21 @@ class LossOutput:
 
 
 class Task(Protocol):
-    """What the loop needs from a task."""
+    """What the loop needs from a task. A task class subclasses it (`class SFT(Task)`) and so
+    writes only what it changes: the optional hooks below have defaults that do nothing; the
+    required ones (`collate`, `count_items`, `count_tokens`, `loss`, and the `name` and
+    `metric_keys` fields) have none. It holds no state of its own."""
 
     name: str
-    # What `samples_per_second` counts ("tokens": not logged, tokens_per_second says it).
-    count_unit: str
     # Metric names every rank reports in evaluation (so ranks pack the same keys).
     metric_keys: tuple[str, ...]
+    # What `samples_per_second` counts ("tokens": not logged, tokens_per_second says it).
+    count_unit: str = "samples"
     # Whether the held-out rows get the training loss (False: online RL, whose rows are prompts).
-    eval_loss: bool
+    eval_loss: bool = True
     # Why the task's held-out evaluation is switched off by the config (None: it is not): the
     # closing summary says so instead of guessing that the held-out rows were dropped.
-    eval_off: str | None
+    eval_off: str | None = None
 
     def collate(self, rows: list[dict]) -> Any:
         """A batch (a dataclass of tensors) from encoded rows."""
@@ -66,12 +68,6 @@ class Task(Protocol):
         """Real tokens the batch puts through the model (for tokens/s)."""
         ...
 
-    def before_losses(self, batches: Sequence[Any], real: Sequence[bool]) -> None:
-        """Work on this rank's micro-batches of a step (or of an evaluation) before any of
-        their losses: a statistic of the whole global batch (KTO's KL reference point).
-        `real[i]` is False for a rank's dummy evaluation batch. Collective where it reduces."""
-        ...
-
     def loss(self, batch: Any, *, normalizer: float, training: bool) -> LossOutput:
         """The micro-batch's loss(es) and metric sums; see `LossOutput`. The normaliser is
         global items in the step / (world × grad_accum), so that after DeepSpeed's averaging
@@ -79,24 +75,32 @@ class Task(Protocol):
         the global batch, however it is split."""
         ...
 
+    def before_losses(self, batches: Sequence[Any], real: Sequence[bool]) -> None:
+        """Work on this rank's micro-batches of a step (or of an evaluation) before any of
+        their losses: a statistic of the whole global batch (KTO's KL reference point).
+        `real[i]` is False for a rank's dummy evaluation batch. Collective where it reduces.
+        Default: nothing."""
+        return None
+
     def finalize_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Derive logged figures from averaged metrics (perplexity from loss, ...)."""
-        ...
+        """Derive logged figures from averaged metrics (perplexity from loss, ...). Default:
+        the metrics as they are."""
+        return metrics
 
     def after_step(self, step: int) -> None:
         """The task's own work after optimizer step `step` (1-based), before any evaluation or
-        checkpoint of that step: the text-to-image tasks' sample grid every
-        `logging.samples_every` steps; nothing for most tasks. Collective where it gathers."""
-        ...
+        checkpoint of that step: the pipeline tasks' samples every `logging.samples_every`
+        steps. Collective where it gathers. Default: nothing."""
+        return None
 
     def evaluate_extra(self, label: str) -> dict[str, float]:
         """The task's own held-out figures (generation checks), before and after training.
-        Collective."""
-        ...
+        Collective. Default: none."""
+        return {}
 
     def summary(self) -> dict[str, Any]:
-        """The task's own entries in summary.json."""
-        ...
+        """The task's own entries in summary.json. Default: none."""
+        return {}
 
 
 @dataclass
@@ -135,11 +139,11 @@ class TaskSpec:
 
     - `record_kind`: the data format it consumes ("conversation", "preference", "unpaired",
       "prompt"; text-to-image: "captioned" images or image "pairs").
-    - `family`: the kind of model it trains (`training.family`; None: a language model,
-      `setup.LANGUAGE_MODELS`; the text-to-image tasks: `text_to_image.PIPELINES`).
-    - `encoding(cfg)`: how its records are encoded (`data.pipeline`, cached); None for the
-      text-to-image tasks, whose images and captions go through the pipeline's own encoders
-      into the latent cache.
+    - `family`: the kind of model it trains (`training.family.ModelFamily`: the language
+      family's `LANGUAGE_MODELS`, the text-to-image tasks' `TEXT_TO_IMAGE`).
+    - `encoding(cfg)`: how its records are tokenised (the language family's `Encoding`,
+      cached); None for the pipeline tasks, whose images and captions go through the
+      pipeline's own encoders into the latent cache.
     - `build(run)`: the task and its step source, given the set-up run (reference models,
       reward models, generation backends are made here, as the task's fields).
     - `reward_head`: the trained model is a scalar-head reward model (task=rm).
@@ -155,16 +159,14 @@ class TaskSpec:
 
     name: str
     record_kind: str
-    encoding: Callable[[RunConfig], Encoding] | None
+    family: ModelFamily
+    encoding: Callable[[RunConfig], Any] | None
     build: Callable[[Run], tuple[Task, StepSource]]
-    family: ModelFamily | None = None
     reward_head: bool = False
-    check: Callable[[RunConfig, ModelSide | PipelineSide], None] | None = None
-    prepare_data: Callable[[RunConfig, ModelSide | PipelineSide, Data], list[str]] | None = None
+    check: Callable[[RunConfig, Any], None] | None = None
+    prepare_data: Callable[[RunConfig, Any, Data], list[str]] | None = None
     schedule: Callable[[RunConfig, Data, BatchPlan], Schedule] | None = None
     engines: (
-        Callable[
-            [RunConfig, ModelSide, DeepSpeedPlan, Schedule], tuple[dict[str, Engine], list[str]]
-        ]
+        Callable[[RunConfig, Any, DeepSpeedPlan, Schedule], tuple[dict[str, Engine], list[str]]]
         | None
     ) = None

@@ -47,7 +47,7 @@ def main() -> None:
 
     model_path = args.model
     if not Path(model_path).exists():
-        from align_anything.models.zoo import resolve_model_path  # only to find built-in models
+        from align_anything.families.zoo import resolve_model_path  # only to find built-in models
 
         model_path = str(resolve_model_path(model_path))
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -1,0 +1,252 @@
+"""A diffusers pipeline folder: its family, its parts, and loading them for training.
+
+A folder is a pipeline when it holds `model_index.json` (diffusers' own layout: one subfolder
+per part). The family follows from the denoiser's class and the parts present:
+
+| family | denoiser | text encoders | target |
+| --- | --- | --- | --- |
+| `sd` (SD 1.x / 2.x) | `UNet2DConditionModel` | one CLIP | epsilon or v (the scheduler's `prediction_type`) |
+| `sdxl` | `UNet2DConditionModel` with `addition_embed_type="text_time"` | two CLIP (pooled from the second) | epsilon or v; size and crop conditioning (`add_time_ids`) |
+| `sd3` | `SD3Transformer2DModel` | two CLIP with projection, T5 when the folder has it | flow velocity |
+| `flux` | `FluxTransformer2DModel` | CLIP (pooled) + T5 | flow velocity; packed latents, guidance embedding |
+
+`inspect_pipeline` reads only JSON files (the start-up checks and the memory planner need no
+weights); loading the parts for training is `parts`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from align_anything.errors import ModelError, did_you_mean
+from align_anything.families.diffusion.kinds import (
+    INDEX,
+    OPTIONAL_PARTS,
+    PIPELINE_CLASSES,
+    TEXT_ENCODERS,
+)
+
+
+def _tokenizer_of(encoder_part: str) -> str:
+    return encoder_part.replace("text_encoder", "tokenizer")
+
+
+@dataclass(frozen=True)
+class PipelineInfo:
+    """What a pipeline folder is, from its JSON files alone (no weights).
+
+    `prediction` is what the denoiser predicts and so the training target: "epsilon",
+    "v_prediction" (from the scheduler's `prediction_type`) or "flow" (velocity ε − x₀).
+    Latents are `(vae mean − shift_factor) × scaling_factor`; a latent pixel covers
+    `vae_scale_factor` image pixels per side."""
+
+    name: str
+    path: Path
+    family: str
+    denoiser_part: str  # "unet" or "transformer": the subfolder
+    denoiser_class: str
+    text_encoders: tuple[str, ...]  # the parts present, in the pipeline's order
+    prediction: str
+    scaling_factor: float
+    shift_factor: float
+    vae_scale_factor: int
+    latent_channels: int
+    default_resolution: int
+    components: dict[str, Any] = field(repr=False)  # model_index.json's part -> [lib, class]
+    denoiser_config: dict[str, Any] = field(repr=False)
+    scheduler_config: dict[str, Any] = field(repr=False)
+
+    @property
+    def flow(self) -> bool:
+        return self.prediction == "flow"
+
+    @property
+    def tokenizers(self) -> tuple[str, ...]:
+        return tuple(_tokenizer_of(part) for part in self.text_encoders)
+
+    @property
+    def pipeline_class(self) -> str:
+        return PIPELINE_CLASSES[self.family]
+
+    def part_path(self, part: str) -> Path:
+        return self.path / part
+
+    def describe(self) -> str:
+        """One line for the start-up summary."""
+        return (
+            f"{self.family} ({self.denoiser_class}, {self.prediction} target; text encoders: "
+            f"{', '.join(self.text_encoders)}; latents {self.latent_channels} channels, "
+            f"1/{self.vae_scale_factor} of the image side)"
+        )
+
+
+def is_pipeline_folder(path: str | Path) -> bool:
+    """Whether `path` is a local diffusers pipeline folder (it holds model_index.json)."""
+    return (Path(path).expanduser() / INDEX).is_file()
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{what}: {path} is missing") from None
+    except (OSError, ValueError) as err:
+        raise ModelError(f"{what}: {path} cannot be read as JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{what}: {path} holds no JSON object")
+    return data
+
+
+def _not_a_pipeline(name: str, folder: Path) -> ModelError:
+    """The error for a local folder without model_index.json, saying what it looks like."""
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, ValueError):
+            data = {}
+        architectures = data.get("architectures") or []
+        kind = (
+            "a transformers language model" if any("CausalLM" in a for a in architectures)
+            else f"a transformers model (model_type {data.get('model_type')!r})"
+            if "model_type" in data else "a single diffusers model, not a whole pipeline"
+        )  # fmt: skip
+        return ModelError(
+            f"model.name_or_path={name!r} is {kind}: a diffusion task needs a diffusers "
+            f"pipeline folder (with {INDEX} and its parts vae/, unet/ or transformer/, "
+            "text_encoder/, tokenizer/, scheduler/), e.g. tiny-random-sd or a folder saved by "
+            "DiffusionPipeline.save_pretrained"
+        )
+    present = sorted(p.name for p in folder.iterdir())[:12] if folder.is_dir() else []
+    return ModelError(
+        f"model.name_or_path={name!r} is not a diffusers pipeline folder: {folder / INDEX} is "
+        f"missing (found: {', '.join(present) or 'nothing'}). A pipeline folder holds "
+        f"{INDEX} and one subfolder per part; save one with DiffusionPipeline.save_pretrained"
+    )
+
+
+def resolve_pipeline_path(name_or_path: str) -> Path:
+    """The local folder of a built-in name (`tiny-random-sd`, ...), a local folder, or a hub
+    name already in the local Hugging Face cache; a `ModelError` naming the fix otherwise."""
+    from align_anything.families.zoo import (
+        BUILTIN_MODELS,
+        SHIPPED_MODELS,
+        names_of,
+        resolve_model_path,
+    )
+
+    if name_or_path in BUILTIN_MODELS or name_or_path in SHIPPED_MODELS:
+        folder = Path(resolve_model_path(name_or_path))
+        if not is_pipeline_folder(folder):
+            raise _not_a_pipeline(name_or_path, folder)
+        return folder
+    folder = Path(name_or_path).expanduser()
+    if folder.exists():
+        if not is_pipeline_folder(folder):
+            raise _not_a_pipeline(name_or_path, folder)
+        return folder
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        names = names_of("text_to_image")
+        hint = did_you_mean(name_or_path, names)
+        raise ModelError(
+            f"model.name_or_path={name_or_path!r}: no such folder{hint}; built-in pipelines: "
+            f"{', '.join(names)}"
+        )
+    try:  # a hub name: diffusers' own download (safetensors only), from the cache when offline
+        from diffusers import DiffusionPipeline
+
+        return Path(DiffusionPipeline.download(name_or_path, use_safetensors=True))
+    except Exception as err:
+        raise ModelError(
+            f"model.name_or_path={name_or_path!r} is not a local folder and could not be "
+            f"fetched as a diffusers pipeline from the hub ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:200] if str(err) else ''}); download it first "
+            "(huggingface-cli download NAME --local-dir DIR) and give the folder"
+        ) from None
+
+
+def _component(index: dict[str, Any], part: str) -> tuple[str, str] | None:
+    entry = index.get(part)
+    if isinstance(entry, (list, tuple)) and len(entry) == 2 and all(entry):
+        return str(entry[0]), str(entry[1])
+    return None
+
+
+def _family(name: str, index: dict[str, Any], denoiser_class: str, config: dict) -> str:
+    if denoiser_class == "SD3Transformer2DModel":
+        return "sd3"
+    if denoiser_class == "FluxTransformer2DModel":
+        return "flux"
+    if denoiser_class == "UNet2DConditionModel":
+        if config.get("addition_embed_type") == "text_time":
+            if _component(index, "text_encoder") is None:
+                raise ModelError(
+                    f"model.name_or_path={name!r} is an SDXL refiner (no text_encoder): only "
+                    "text-to-image pipelines train here; use the SDXL base pipeline"
+                )
+            return "sdxl"
+        return "sd"
+    raise ModelError(
+        f"model.name_or_path={name!r}: its denoiser is a {denoiser_class}, which no diffusion "
+        "task here trains; supported: UNet2DConditionModel (SD 1.x/2.x, SDXL), "
+        "SD3Transformer2DModel (SD3), FluxTransformer2DModel (Flux)"
+    )
+
+
+def _check_parts(name: str, folder: Path, index: dict[str, Any], parts: Sequence[str]) -> None:
+    problems = []
+    for part in parts:
+        if _component(index, part) is None:
+            problems.append(f"{part} (not named in {INDEX})")
+        elif not (folder / part).is_dir():
+            problems.append(f"{part}/ (named in {INDEX}, but the subfolder is missing)")
+    if problems:
+        raise ModelError(
+            f"model.name_or_path={name!r}: the pipeline folder {folder} lacks "
+            f"{'; '.join(problems)}. Copy the whole pipeline folder (every part's subfolder)"
+        )
+
+
+def inspect_pipeline(name_or_path: str) -> PipelineInfo:
+    """What the pipeline folder (or built-in name) is, from its JSON files; a `ModelError`
+    naming what is missing for a folder that is not a usable text-to-image pipeline."""
+    folder = resolve_pipeline_path(name_or_path)
+    index = _read_json(folder / INDEX, f"model.name_or_path={name_or_path!r}")
+    denoiser_part = next((p for p in ("unet", "transformer") if _component(index, p)), None)
+    if denoiser_part is None:
+        raise ModelError(
+            f"model.name_or_path={name_or_path!r}: {folder / INDEX} names no denoiser (neither "
+            "unet nor transformer); it is not a text-to-image pipeline"
+        )
+    denoiser_class = _component(index, denoiser_part)[1]  # type: ignore[index]
+    _check_parts(name_or_path, folder, index, [denoiser_part, "vae", "scheduler"])
+    what = f"model.name_or_path={name_or_path!r}"
+    config = _read_json(folder / denoiser_part / "config.json", what)
+    family = _family(name_or_path, index, denoiser_class, config)
+    encoders = [p for p in TEXT_ENCODERS[family] if p not in OPTIONAL_PARTS or _component(index, p)]
+    _check_parts(name_or_path, folder, index, [x for p in encoders for x in (p, _tokenizer_of(p))])
+    scheduler = _read_json(folder / "scheduler" / "scheduler_config.json", what)
+    vae = _read_json(folder / "vae" / "config.json", what)
+    if family in ("sd3", "flux"):
+        prediction = "flow"
+    else:
+        prediction = scheduler.get("prediction_type") or "epsilon"
+        if prediction not in ("epsilon", "v_prediction"):
+            raise ModelError(
+                f"{what}: the scheduler's prediction_type is {prediction!r}; the denoising "
+                "tasks train epsilon or v_prediction UNets"
+            )
+    scale = 2 ** (len(vae.get("block_out_channels") or [0]) - 1)
+    return PipelineInfo(
+        name=name_or_path, path=folder, family=family, denoiser_part=denoiser_part,
+        denoiser_class=denoiser_class, text_encoders=tuple(encoders), prediction=prediction,
+        scaling_factor=float(vae.get("scaling_factor") or 0.18215),
+        shift_factor=float(vae.get("shift_factor") or 0.0), vae_scale_factor=scale,
+        latent_channels=int(vae.get("latent_channels", 4)),
+        default_resolution=int(config.get("sample_size") or 128) * scale,
+        components=index, denoiser_config=config, scheduler_config=scheduler,
+    )  # fmt: skip

@@ -1,0 +1,493 @@
+"""Text-to-image pipelines as a model family (`TEXT_TO_IMAGE`, see `training.family`), and what the
+text-to-image tasks are given besides: sample grids and the held-out image check.
+
+Set-up of a diffusers pipeline folder (`model_index.json`), step by step as `setup.setup`
+calls them:
+
+- **model side** (`load_pipeline_side`): the folder's family, parts and training target from
+  its JSON files; the LoRA targets checked on a meta-device denoiser; the VAE, text encoders
+  and tokenizers loaded frozen, whole on every rank's device in the run's precision (under
+  ZeRO-3 too: they stay outside the trained engine's partition);
+- **data** (`build_image_data`): the source (an image folder, a jsonl/parquet file, Pick-a-Pic
+  pairs, a built-in set) read and every row checked before any compute, then encoded once into
+  the latent cache (`data.latents`: VAE latents and text embeddings, keyed by the files, the
+  resolution and the encoders' identity): local rank 0 of each node builds it while the other
+  ranks wait, a data error stops every rank with one message, and every rank memory-maps it;
+- **policy** (`build_denoiser`): the denoiser alone (ZeRO-3: built partitioned), with LoRA
+  adapters when asked, in its engine;
+- **export** (`save_pipeline_final`): `final/` as a diffusers folder `DiffusionPipeline.
+  from_pretrained` loads (a LoRA run: the adapter in the layout `load_lora_weights` reads,
+  with `final-merged/` the merged pipeline), `final-ema/` likewise with the weight average.
+
+`Samples` draws images for fixed prompts and seeds from the current denoiser, each rank a
+share of them (under ZeRO-3 the denoiser is gathered once for the whole sampling loop), and
+writes the grid to `output_dir/samples/` and to TensorBoard or wandb. `image_check` is the
+held-out check of built-in data: a rule on the pixels of images drawn for held-out captions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from align_anything.backend import distributed as comm
+from align_anything.backend import ds_config as dsc
+from align_anything.backend.engine import Engine
+from align_anything.backend.params import count_parameters
+from align_anything.config import RunConfig
+from align_anything.data import cache
+from align_anything.data.formats import split_records
+from align_anything.errors import ConfigError, UserError
+from align_anything.families import diffusion
+from align_anything.families.diffusion import memory
+from align_anything.families.diffusion.adapters import adapter_summary, has_adapters
+from align_anything.families.diffusion.parts import PipelineSide
+from align_anything.families.diffusion.sizes import denoiser_sizes
+from align_anything.families.text_to_image.images import ImageSource, read_image_source
+from align_anything.families.text_to_image.latents import (
+    LatentRows,
+    ensure_latent_cache,
+    latent_cache_folder,
+    latent_key_parts,
+    open_latent_cache,
+)
+from align_anything.training import checkpoints, deepspeed_plan, report
+from align_anything.training.family import ModelFacts, ModelFamily, training_engine
+from align_anything.training.memory_plan import local_devices
+from align_anything.training.run import Data, Run, Schedule
+
+SAMPLES_DIR = "samples"
+DEFAULT_SAMPLE_PROMPTS = 4  # held-out captions in the grid when logging.sample_prompts is null
+# Held-out captions kept for the sample grid (the data may hold many more).
+KEPT_CAPTIONS = 256
+ENCODE_BATCH = 32  # images (and captions) per pass through the VAE (text encoders) when caching
+
+
+# ---------------------------------------------------------------------------- the model side
+
+
+def resolution_of(cfg: RunConfig, info: diffusion.PipelineInfo) -> int:
+    """`data.resolution`, or the pipeline's own; a side the denoiser cannot take (its latents
+    must halve evenly through the UNet's blocks, or split into the transformer's patches) is a
+    `ConfigError` naming the nearest sizes that work."""
+    resolution = cfg.data.resolution or info.default_resolution
+    config = info.denoiser_config
+    if info.family in ("sd", "sdxl"):
+        step = 2 ** (len(config.get("block_out_channels") or [0]) - 1)
+    else:  # SD3 patches, Flux's 2x2 packing
+        step = int(config.get("patch_size") or 1) * (2 if info.family == "flux" else 1)
+    multiple = info.vae_scale_factor * step
+    if resolution % multiple:
+        lower, upper = resolution // multiple * multiple, (resolution // multiple + 1) * multiple
+        raise ConfigError(
+            f"data.resolution={resolution}: {info.name}'s images must be a multiple of "
+            f"{multiple} pixels (the VAE's 1/{info.vae_scale_factor} latents through the "
+            f"denoiser's {step}x down-sampling); e.g. data.resolution={lower or upper} or {upper}"
+        )
+    return resolution
+
+
+def check_model_settings(cfg: RunConfig, info: diffusion.PipelineInfo) -> None:
+    """Settings of the language models that mean nothing to a denoiser are errors, not silently
+    ignored; the LoRA targets are checked on the denoiser built on the meta device."""
+    model = cfg.model
+    problems = []
+    if model.freeze:
+        problems.append(
+            f"model.freeze={model.freeze} names parts of multimodal language models; a diffusion "
+            "task trains the denoiser (the VAE and text encoders are always frozen): set "
+            "model.freeze=[]"
+        )
+    if model.attn_implementation != "auto":
+        problems.append(
+            f"model.attn_implementation={model.attn_implementation} selects a transformers "
+            "attention kernel; a diffusers denoiser uses its own attention processors (sdpa): "
+            "leave it auto"
+        )
+    if problems:
+        raise ConfigError("; ".join(problems))
+    if model.lora.enabled:
+        denoiser_sizes(info, adapters=model.lora.adapters())  # raises for unknown targets
+
+
+def load_pipeline_side(cfg: RunConfig, dist: comm.DistInfo, spec: Any) -> PipelineSide:
+    """The pipeline's parts from its JSON files (a folder that is not a pipeline, or a
+    language model, is one `ModelError` naming the fix), the settings checked, and the frozen
+    VAE and text encoders loaded whole on this rank's device."""
+    info = diffusion.inspect_pipeline(cfg.model.name_or_path)
+    check_model_settings(cfg, info)
+    resolution = resolution_of(cfg, info)
+    precision = deepspeed_plan.run_precision(
+        cfg, device_type=dist.device.type, bf16_supported=comm.bf16_supported()
+    )
+    dtype = dsc.torch_dtype(precision)
+    parts = diffusion.load_frozen_parts(info, dtype=dtype, device=dist.device)
+    return PipelineSide(cfg.model.name_or_path, str(info.path), info, parts, resolution)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What local rank 0 hands every rank after reading and encoding: each split's cache
+    folder and summary note, the sources' reports, held-out captions, the data fingerprint."""
+
+    train_folder: Path
+    eval_folder: Path | None
+    notes: list[str]
+    reports: list[Any]
+    fingerprint: str
+
+
+def _read(path: str, kind: str, columns: dict[str, str], what: str) -> ImageSource:
+    try:
+        return read_image_source(path, kind, columns=columns)
+    except UserError as err:
+        raise type(err)(f"{what}={path!r}: {err}") from None
+
+
+def _prepare_images(
+    cfg: RunConfig, model: PipelineSide, kind: str, *, root: Path, rank: int
+) -> _Prepared:
+    """Read and check each source, then make sure its latent cache entry exists (encoding
+    what is missing). Runs on local rank 0 of each node."""
+    data, parts = cfg.data, model.parts
+    encoder = diffusion.encoder_identity(
+        model.info, max_sequence_length=parts.max_sequence_length, dtype=parts.vae.dtype
+    )
+    columns = dict(data.columns)
+    sources = [("data.path", data.path)]
+    if data.eval_path is not None:
+        sources.append(("data.eval_path", data.eval_path))
+    folders, notes, reports, keys = [], [], [], []
+    for what, path in sources:
+        source = _read(str(path), kind, columns, what)
+
+        def started(images: int, captions: int, path: str = str(path)) -> None:
+            print(f"data: rank {rank} encoding {images} images and {captions} captions of "
+                  f"{path} through the VAE and text encoders", flush=True)  # fmt: skip
+
+        key = latent_key_parts(source, resolution=model.resolution, encoder=encoder,
+                               columns=columns)  # fmt: skip
+        note = ensure_latent_cache(
+            source, key, root=root, resolution=model.resolution,
+            encode_images=parts.encode_images, encode_prompts=parts.encode_prompts,
+            batch_size=ENCODE_BATCH, on_start=started,
+        )  # fmt: skip
+        folders.append(latent_cache_folder(root, key))
+        notes.append(f"{what}: {note}")
+        reports.append(source.report)
+        keys.append(key)
+    held_out_here = data.eval_path is None  # the split of data.path decides the training rows
+    split = {"eval_fraction": data.eval_fraction if held_out_here else None,
+             "seed": cfg.train.seed if held_out_here else None,
+             "max_train": data.max_train_samples}  # fmt: skip
+    fingerprint = cache._hash({"train": keys[0], "split": split})[:16]
+    eval_folder = folders[1] if len(folders) > 1 else None
+    return _Prepared(folders[0], eval_folder, notes, reports, fingerprint)
+
+
+def build_image_data(
+    cfg: RunConfig, dist: comm.DistInfo, model: PipelineSide, spec: Any
+) -> tuple[Data, list[str]]:
+    """The training and held-out rows of the latent cache (see the module docstring); without
+    `data.eval_path`, `data.eval_fraction` of the rows are held out (seeded by `train.seed`).
+    Returns the data and its start-up summary lines."""
+    root = cache.cache_root(cfg.data.cache_dir)
+    prepared = None
+    if dist.local_rank == 0:
+
+        def work() -> _Prepared:
+            return _prepare_images(cfg, model, spec.record_kind, root=root, rank=dist.rank)
+
+        prepared = comm.fail_together(work, what="data preparation")
+    else:
+        comm.fail_together(None, what="data preparation")
+    # Every node's local rank 0 built the same entries; global rank 0's description is used.
+    prepared = comm.broadcast_object(prepared)
+    train_images = open_latent_cache(prepared.train_folder)
+    data = cfg.data
+    if prepared.eval_folder is not None:
+        eval_images = open_latent_cache(prepared.eval_folder)
+        train_ids, eval_ids = list(range(len(train_images))), list(range(len(eval_images)))
+    else:
+        eval_images = train_images
+        train_ids, eval_ids = split_records(
+            list(range(len(train_images))), eval_fraction=data.eval_fraction, seed=cfg.train.seed
+        )
+    train_ids = train_ids[: data.max_train_samples]
+    eval_ids = eval_ids[: data.max_eval_samples]
+    if not train_ids:
+        raise UserError(f"no usable training rows in {data.path}")
+    train, held_out = LatentRows(train_images, train_ids), LatentRows(eval_images, eval_ids)
+    fingerprints = checkpoints.fingerprints(
+        str(data.path), tokenizer=diffusion.encoder_identity(
+            model.info, max_sequence_length=model.parts.max_sequence_length,
+            dtype=model.parts.vae.dtype,
+        ), data=prepared.fingerprint,
+    )  # fmt: skip
+    captions = held_out_captions(eval_images, eval_ids[:KEPT_CAPTIONS])
+    unit = "pairs" if spec.record_kind == "pairs" else "images"
+    result = Data(
+        train=train, eval=held_out, eval_records=captions, reports=prepared.reports,
+        fingerprints=fingerprints, lengths=[1] * len(train), train_unit=unit,
+    )  # fmt: skip
+    shape = train_images.latents.shape[1:]
+    lines = [
+        f"  pipeline        {model.info.describe()}",
+        f"  resolution      {model.resolution} px, centre-cropped; latents "
+        f"{'x'.join(str(d) for d in shape)} (data.resolution)",
+        *(f"  data cache      {note}" for note in prepared.notes),
+    ]
+    if prepared.eval_folder is None:
+        lines.append(
+            f"  held out        {len(eval_ids)} of {len(train_images)} rows of data.path "
+            f"(data.eval_fraction={data.eval_fraction})"
+        )
+    return result, lines
+
+
+def held_out_captions(images: Any, ids: Sequence[int]) -> list[str]:
+    """The captions of held-out rows `ids` of a latent cache entry, as its source wrote them."""
+    return [images.captions[int(images.rows[i, 0])] for i in ids]
+
+
+# ---------------------------------------------------------------------------- the policy
+
+
+def build_denoiser(
+    cfg: RunConfig, model: PipelineSide, ds_plan: deepspeed_plan.DeepSpeedPlan, schedule: Schedule,
+    spec: Any,
+) -> tuple[Engine, list[str]]:  # fmt: skip
+    """The denoiser (ZeRO-3: partitioned as it loads; the frozen parts stay whole), LoRA
+    adapters when asked, gradient checkpointing when asked, in its engine."""
+    info = model.info
+    denoiser = diffusion.load_denoiser(
+        info, dtype=dsc.torch_dtype(ds_plan.precision), ds_config=ds_plan.config
+    )
+    lines = []
+    adapters = cfg.model.lora.adapters()
+    if adapters:
+        diffusion.add_denoiser_adapters(denoiser, family=info.family, **adapters)
+        lines.append(f"  lora            {adapter_summary(denoiser)}")
+    if cfg.speed.gradient_checkpointing:
+        denoiser.enable_gradient_checkpointing()
+    return training_engine(denoiser, cfg, ds_plan, schedule), lines
+
+
+# ---------------------------------------------------------------------------- summary, export
+
+
+def _frozen_parts(model: PipelineSide) -> dict[str, int]:
+    parts = model.parts
+    modules = {"vae": parts.vae, **parts.text_encoders}
+    return {name: sum(p.numel() for p in module.parameters()) for name, module in modules.items()}
+
+
+def describe_pipeline(run: Run) -> ModelFacts:
+    """The start-up summary's model facts: the denoiser's trained and frozen parameters and
+    the frozen parts, and the planner's estimate for this run's preset."""
+    model: PipelineSide = run.model  # type: ignore[assignment]
+    module = run.policy.module
+    trainable, frozen = count_parameters(module)
+    outside = _frozen_parts(model)
+    lora = " (LoRA adapters)" if has_adapters(module) else ""
+    shown = [f"{model.info.denoiser_part} {report.count(trainable + frozen)}: "
+             f"{report.count(trainable)} trained{lora}"]  # fmt: skip
+    shown += [f"{name} {report.count(count)} frozen" for name, count in outside.items()]
+    ds_plan, cfg = run.ds_plan, run.cfg
+    world = ds_plan.batch.world_size
+    figures = memory.denoiser_figures(
+        cfg, model.info, precision=ds_plan.precision, resolution=model.resolution
+    )
+    estimate = memory.estimate_denoiser(
+        Path(ds_plan.source).stem, ds_plan.config, cfg, figures, world_size=world,
+        precision=ds_plan.precision, gpus_per_node=local_devices(world),
+    )  # fmt: skip
+    return ModelFacts(
+        model_type=f"{model.info.family} pipeline, {model.info.denoiser_class}",
+        trainable=trainable, frozen=frozen + sum(outside.values()),
+        parts=", ".join(shown) + " (the frozen parts whole on every rank, outside the engine)",
+        attention=None, memory_plan=report.describe_estimate(estimate),
+    )  # fmt: skip
+
+
+def save_pipeline_final(run: Run) -> None:
+    """From the denoiser's gathered weights (collective; rank 0 writes): `final/` (a diffusers
+    pipeline folder; a LoRA run's adapter, which `load_lora_weights` reads, and with
+    `model.lora.save_merged` also `final-merged/`) and, with EMA, `final-ema/` the same from
+    the average, each with the run's resolved configs."""
+    state = run.policy.full_state_dict()
+    if not run.dist.is_main:
+        return
+    assert state is not None
+    model: PipelineSide = run.model  # type: ignore[assignment]
+    out, configs = run.output.path, run.configs()
+    lora = run.cfg.model.lora
+    states = {"final": state}
+    if run.ema is not None:
+        states["final-ema"] = run.ema.state_dict(state)
+    for name, weights in states.items():
+        if lora.enabled:
+            diffusion.save_denoiser_adapter(
+                run.policy.module, weights, out / name, family=model.info.family,
+                denoiser_part=model.info.denoiser_part, configs=configs,
+            )  # fmt: skip
+        else:
+            denoiser = diffusion.denoiser_from_state_dict(model.info, weights)
+            diffusion.save_pipeline(model.parts, denoiser, out / name, configs=configs)
+    if lora.enabled and lora.save_merged:
+        denoiser = diffusion.denoiser_from_state_dict(model.info, state, adapters=lora.adapters())
+        diffusion.save_pipeline(model.parts, denoiser, out / "final-merged", configs=configs)
+
+
+TEXT_TO_IMAGE = ModelFamily(
+    name="text-to-image pipeline", load_model_side=load_pipeline_side,
+    build_data=build_image_data,
+    bucket_width=lambda model: diffusion.bucket_width(model.info),
+    build_policy=build_denoiser, describe=describe_pipeline, save_final=save_pipeline_final,
+    estimate_memory=memory.estimate_memory,
+)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+def draw_images(
+    parts: diffusion.FrozenParts, policy: Engine, prompts: Sequence[str], seeds: Sequence[int],
+    *, resolution: int, steps: int, guidance_scale: float, rank: int, world: int,
+) -> list[np.ndarray]:  # fmt: skip
+    """One RGB array per (prompt, seed), each rank drawing a share (under ZeRO-3 the denoiser
+    is gathered once for the whole loop), every rank getting all of them. An image depends
+    only on its prompt, its seed and the weights (`diffusion.sample_images`). Collective."""
+    mine = list(range(rank, len(prompts), world))  # every world-th image
+    images = diffusion.sample_images(
+        parts, [prompts[i] for i in mine], [seeds[i] for i in mine], resolution=resolution,
+        steps=steps, guidance_scale=guidance_scale, gathered=policy.gathered_for_generation,
+    )  # fmt: skip
+    drawn = dict(zip(mine, (np.asarray(image.convert("RGB")) for image in images), strict=True))
+    merged: dict[int, np.ndarray] = {}
+    for shard in comm.all_gather_objects(drawn):
+        merged.update(shard)
+    return [merged[i] for i in range(len(prompts))]
+
+
+@dataclass
+class Samples:
+    """The sample grid: images for fixed `prompts` (rows) and `seeds` (columns) from the
+    current denoiser, before training, after it and every `every` steps, written to
+    `output_dir/samples/step-N.png` and to the metrics backends (rank 0)."""
+
+    run: Run
+    prompts: list[str]
+    seeds: list[int]
+    steps: int
+    guidance_scale: float
+    every: int
+
+    def draw(self, label: str) -> Path | None:
+        """Draw and save the grid of the current weights (`label`: "before", "after", "step
+        N"). Collective."""
+        if not self.prompts:
+            return None
+        run = self.run
+        model: PipelineSide = run.model  # type: ignore[assignment]
+        pairs = [(p, s) for p in self.prompts for s in self.seeds]
+        images = draw_images(
+            model.parts, run.policy, [p for p, _ in pairs], [s for _, s in pairs],
+            resolution=model.resolution, steps=self.steps, guidance_scale=self.guidance_scale,
+            rank=run.dist.rank, world=run.dist.world_size,
+        )  # fmt: skip
+        if not run.dist.is_main:
+            return None
+        from PIL import Image
+
+        step = run.state.step
+        columns = len(self.seeds)
+        rows = [[Image.fromarray(images[r * columns + c]) for c in range(columns)]
+                for r in range(len(self.prompts))]  # fmt: skip
+        path = diffusion.save_grid(
+            rows, run.output.path / SAMPLES_DIR / f"step-{step:06d}.png",
+            row_labels=self.prompts, column_labels=[f"seed {s}" for s in self.seeds],
+        )  # fmt: skip
+        if run.logger is not None:
+            with Image.open(path) as grid:
+                run.logger.log_image(step, "samples", grid.convert("RGB"), caption=label)
+        return path
+
+    def after_step(self, step: int) -> None:
+        """The grid every `every` steps (the last step's is the "after" grid). Collective."""
+        if self.every and step % self.every == 0 and step != self.run.schedule.total_steps:
+            self.draw(f"step {step}")
+
+    def describe(self) -> str:
+        when = f"every {self.every} steps, " if self.every else ""
+        return (
+            f"  samples         {len(self.prompts)} prompts x {len(self.seeds)} seeds, "
+            f"{self.steps} sampler steps, before training, {when}after it -> "
+            f"{self.run.output.path / SAMPLES_DIR}"
+        )
+
+
+def build_samples(run: Run, section: Any) -> Samples:
+    """The run's sample grid from `logging.sample_prompts` (null: the first held-out
+    captions) and `logging.sample_seeds`, drawn with the task section's sampler settings."""
+    logging = run.cfg.logging
+    prompts = logging.sample_prompts
+    if prompts is None:
+        prompts = list(dict.fromkeys(run.data.eval_records))[:DEFAULT_SAMPLE_PROMPTS]
+    return Samples(
+        run=run, prompts=list(prompts), seeds=list(logging.sample_seeds),
+        steps=section.sample_steps, guidance_scale=section.guidance_scale,
+        every=logging.samples_every,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the image check
+
+
+@dataclass(frozen=True)
+class ImageCheck:
+    """A held-out check on generated images: `captions` with their `seeds`, and `rule`
+    (images, captions) -> the share that passes."""
+
+    name: str
+    captions: list[str]
+    seeds: list[int]
+    rule: Callable[[Sequence[np.ndarray], Sequence[str]], float]
+
+
+def image_check(data_path: Any) -> ImageCheck | None:
+    """The image check of built-in data (the shapes sets: the dominant colour of each image
+    drawn for a held-out caption is the colour it names), or None for other data."""
+    from align_anything.families.text_to_image import shapes
+
+    if not isinstance(data_path, str) or data_path not in shapes.SHAPE_DATASETS:
+        return None
+    from align_anything.data.builtin import builtin_path
+
+    rows = shapes.read_parquet(builtin_path("t2i-shapes-eval"))
+    return ImageCheck(
+        name="colour", captions=[r["text"] for r in rows], seeds=[int(r["seed"]) for r in rows],
+        rule=shapes.colour_match_rate,
+    )  # fmt: skip
+
+
+def run_image_check(run: Run, check: ImageCheck | None, *, samples: int, section: Any) -> dict:
+    """`eval/image_check`: the share of images for the first `samples` held-out captions that
+    pass the check; nothing without a check or with `samples` 0. Collective."""
+    if check is None or not samples:
+        return {}
+    model: PipelineSide = run.model  # type: ignore[assignment]
+    captions, seeds = check.captions[:samples], check.seeds[:samples]
+    images = draw_images(
+        model.parts, run.policy, captions, seeds, resolution=model.resolution,
+        steps=section.sample_steps, guidance_scale=section.guidance_scale, rank=run.dist.rank,
+        world=run.dist.world_size,
+    )  # fmt: skip
+    return {"eval/image_check": float(check.rule(images, captions))}
