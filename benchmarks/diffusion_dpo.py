@@ -209,24 +209,26 @@ def cache_saving(
         torch.set_num_threads(threads)
 
     from align_anything.families import diffusion
-    from align_anything.families.text_to_image.images import center_crop, read_image_source
-    from align_anything.families.text_to_image.latents import (
+    from align_anything.families.diffusion.latents import (
         ensure_latent_cache,
         latent_cache_folder,
-        latent_key_parts,
         open_latent_cache,
     )
+    from align_anything.families.text_to_image import media
+    from align_anything.families.text_to_image.images import center_crop, read_image_source
 
     info = diffusion.inspect_pipeline(model)
     parts = diffusion.load_frozen_parts(info, dtype=torch.float32)
     source = read_image_source(DATA, "pairs")
     resolution = info.default_resolution
     root = Path(tempfile.mkdtemp(prefix="latents-"))
-    key = latent_key_parts(source, resolution=resolution, encoder="benchmark")
+    key = media.latent_key_parts(source, resolution=resolution, encoder="benchmark")
     start = time.perf_counter()
-    ensure_latent_cache(source, key, root=root, resolution=resolution,
-                        encode_images=parts.encode_images, encode_prompts=parts.encode_prompts,
-                        batch_size=32)  # fmt: skip
+    ensure_latent_cache(
+        source, key, root=root, resolution=resolution, refs=media.image_refs(source),
+        prepare=media.cropper(resolution), encode_media=parts.encode_images,
+        encode_prompts=parts.encode_prompts, batch_size=32,
+    )  # fmt: skip
     build = time.perf_counter() - start
     cached = open_latent_cache(latent_cache_folder(root, key))
     online, reads = [], []

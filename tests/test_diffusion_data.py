@@ -1,4 +1,5 @@
-"""Text-to-image data (`data/images.py`, `data/latents.py`): the readers of image folders,
+"""Text-to-image data (`families/text_to_image/images.py`, the image medium in `media.py`, the
+latent cache `families/diffusion/latents.py`): the readers of image folders,
 jsonl / parquet files and Pick-a-Pic pairs, one message naming every bad row, the centre crop,
 and the encode-once latent cache (built once, read back memory-mapped, keyed by the images)."""
 
@@ -15,13 +16,22 @@ from PIL import Image
 
 from align_anything.errors import DataError
 from align_anything.families import diffusion
-from align_anything.families.text_to_image import images, latents
+from align_anything.families.diffusion import latents
+from align_anything.families.text_to_image import images, media
 
 
 def png(color: str | tuple, size: tuple[int, int] = (40, 30)) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", size, color).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def ensure(source, key, *, resolution: int, encode_images, **kwargs) -> str:
+    """The latent cache of an image source, as the image medium builds it."""
+    return latents.ensure_latent_cache(
+        source, key, resolution=resolution, refs=media.image_refs(source),
+        prepare=media.cropper(resolution), encode_media=encode_images, **kwargs,
+    )  # fmt: skip
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -170,17 +180,17 @@ def _refuse(*_: object) -> None:
 
 def test_latent_cache_encodes_once_and_reads_back(tmp_path: Path, parts) -> None:
     source = _captioned(tmp_path / "data")
-    key = latents.latent_key_parts(source, resolution=32, encoder="tiny-sd")
+    key = media.latent_key_parts(source, resolution=32, encoder="tiny-sd")
     root = tmp_path / "cache"
     started = []
-    note = latents.ensure_latent_cache(
+    note = ensure(
         source, key, root=root, resolution=32, encode_images=parts.encode_images,
         encode_prompts=parts.encode_prompts, batch_size=2,
         on_start=lambda n_images, n_captions: started.append((n_images, n_captions)),
     )  # fmt: skip
     assert note.startswith("encoded 2 images and 2 captions")  # c.png repeats a.png's bytes
     assert started == [(2, 2)]
-    hit = latents.ensure_latent_cache(
+    hit = ensure(
         source, key, root=root, resolution=32, encode_images=_refuse, encode_prompts=_refuse
     )
     assert hit.startswith("cache hit")
@@ -201,30 +211,30 @@ def test_latent_cache_encodes_once_and_reads_back(tmp_path: Path, parts) -> None
 
 def test_latent_cache_key_follows_the_image_bytes(tmp_path: Path) -> None:
     source = _captioned(tmp_path / "data")
-    key = latents.latent_key_parts(source, resolution=32, encoder="tiny-sd")
-    assert key == latents.latent_key_parts(source, resolution=32, encoder="tiny-sd")
-    assert key != latents.latent_key_parts(source, resolution=64, encoder="tiny-sd")
-    assert key != latents.latent_key_parts(source, resolution=32, encoder="other-vae")
+    key = media.latent_key_parts(source, resolution=32, encoder="tiny-sd")
+    assert key == media.latent_key_parts(source, resolution=32, encoder="tiny-sd")
+    assert key != media.latent_key_parts(source, resolution=64, encoder="tiny-sd")
+    assert key != media.latent_key_parts(source, resolution=32, encoder="other-vae")
     (tmp_path / "data" / "b.png").write_bytes(png("green"))
-    changed = latents.latent_key_parts(source, resolution=32, encoder="tiny-sd")
+    changed = media.latent_key_parts(source, resolution=32, encoder="tiny-sd")
     assert changed["image_files"] != key["image_files"]
     (tmp_path / "data" / "a.txt").write_text("a new caption")
     assert (
-        latents.latent_key_parts(source, resolution=32, encoder="tiny-sd")["data_files"]
+        media.latent_key_parts(source, resolution=32, encoder="tiny-sd")["data_files"]
         != (key["data_files"])
     )
 
 
 def test_a_damaged_latent_cache_is_rebuilt(tmp_path: Path, parts) -> None:
     source = _captioned(tmp_path / "data")
-    key = latents.latent_key_parts(source, resolution=32, encoder="tiny-sd")
+    key = media.latent_key_parts(source, resolution=32, encoder="tiny-sd")
     common = dict(root=tmp_path / "cache", resolution=32, encode_images=parts.encode_images,
                   encode_prompts=parts.encode_prompts)  # fmt: skip
-    latents.ensure_latent_cache(source, key, **common)
+    ensure(source, key, **common)
     folder = latents.latent_cache_folder(tmp_path / "cache", key)
     with open(folder / "latents.npy", "r+b") as handle:
         handle.truncate(100)
-    note = latents.ensure_latent_cache(source, key, **common)
+    note = ensure(source, key, **common)
     assert "rebuilt: latents.npy is 100 bytes" in note
     assert latents.open_latent_cache(folder).batch([0])["latents"].shape == (1, 4, 16, 16)
 
@@ -237,8 +247,8 @@ def test_pairs_cache_in_bfloat16(tmp_path: Path) -> None:
         {"caption": "blue", "jpg_0": png("red"), "jpg_1": png("blue"), "label_0": 0.0},
     ])  # fmt: skip
     source = images.read_preference_pairs(str(path))
-    key = latents.latent_key_parts(source, resolution=32, encoder="tiny-sdxl-bf16")
-    latents.ensure_latent_cache(
+    key = media.latent_key_parts(source, resolution=32, encoder="tiny-sdxl-bf16")
+    ensure(
         source, key, root=tmp_path / "cache", resolution=32, encode_images=parts.encode_images,
         encode_prompts=parts.encode_prompts,
     )  # fmt: skip
@@ -261,7 +271,7 @@ def test_no_usable_rows_is_an_error(tmp_path: Path) -> None:
     ])  # fmt: skip
     source = images.read_preference_pairs(str(path))
     with pytest.raises(DataError, match="(?s)no usable rows.*dropped 1"):
-        latents.ensure_latent_cache(
+        ensure(
             source, {}, root=tmp_path, resolution=32, encode_images=_refuse,
             encode_prompts=_refuse,
         )  # fmt: skip

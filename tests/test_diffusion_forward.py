@@ -1,5 +1,5 @@
 """The diffusion forward pass (`forward_diffusion.py`) on the tiny random pipelines of every
-family, against the same computation written out by hand with diffusers' own scheduler and
+kind, against the same computation written out by hand with diffusers' own scheduler and
 denoiser call: the same denoiser, noise and timesteps give the same per-sample losses. Also the
 seeded draws (a sample's noise and noise level depend on its seed alone, so a batch split over
 ranks draws what one rank draws) and that gradients reach the denoiser."""
@@ -16,7 +16,7 @@ from align_anything import losses
 from align_anything.families import diffusion
 from align_anything.families.diffusion import forward as fd
 
-# One DDPM-style and one flow family in the fast suite; the other three take the CPU more than
+# One DDPM-style and one flow kind in the fast suite; the other three take the CPU more than
 # the ~2 s a fast test may (a first forward pass of each new batch shape builds its kernels).
 PIPELINES = [
     "tiny-random-sd",
@@ -60,12 +60,12 @@ def _by_hand(s: Setup) -> torch.Tensor:
     """Per-sample losses as diffusers' training scripts write them, from the draw's tensors."""
     latents, embeds = s.batch["latents"], s.batch["prompt_embeds"]
     noise, timesteps = s.draw.noise, s.draw.timesteps
-    family, scheduler = s.info.family, s.scheduler
+    kind, scheduler = s.info.kind, s.scheduler
     with torch.no_grad():
-        if family in ("sd", "sdxl"):
+        if kind in ("sd", "sdxl"):
             noisy = scheduler.add_noise(latents, noise, timesteps)
             kwargs = {}
-            if family == "sdxl":
+            if kind == "sdxl":
                 kwargs["added_cond_kwargs"] = {
                     "text_embeds": s.batch["pooled_prompt_embeds"],
                     "time_ids": s.batch["add_time_ids"],
@@ -81,7 +81,7 @@ def _by_hand(s: Setup) -> torch.Tensor:
             noisy = (1.0 - sigmas) * latents + sigmas * noise
             target = noise - latents
             pooled = s.batch["pooled_prompt_embeds"]
-            if family == "sd3":
+            if kind == "sd3":
                 prediction = s.denoiser(
                     hidden_states=noisy, timestep=timesteps, encoder_hidden_states=embeds,
                     pooled_projections=pooled,
@@ -163,7 +163,7 @@ def test_pairs_share_noise_and_timestep(setup: Setup) -> None:
     assert out.losses.mean().item() == pytest.approx(0.6931, abs=1e-2)
 
 
-# One UNet and one transformer family: the backward pass is the slow part on a CPU.
+# One UNet and one transformer kind: the backward pass is the slow part on a CPU.
 @pytest.mark.parametrize("name", ["tiny-random-sd", "tiny-random-sd3"])
 def test_gradients_reach_the_denoiser(name: str) -> None:
     setup = _setup(name)

@@ -1,4 +1,4 @@
-"""Text-to-image pipelines (`models/diffusion/`): recognising a folder's family and parts, the
+"""Text-to-image pipelines (`models/diffusion/`): recognising a folder's kind and parts, the
 errors for folders that are not usable pipelines, frozen parts, parameter counts from configs
 on the meta device (SD 1.5, SDXL, Flux), denoiser LoRA saved in the format diffusers'
 `load_lora_weights` reads, and sampling to a labelled grid."""
@@ -27,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
-    ("name", "family", "prediction", "denoiser", "encoders"),
+    ("name", "kind", "prediction", "denoiser", "encoders"),
     [
         ("tiny-random-sd", "sd", "epsilon", "unet", ("text_encoder",)),
         ("tiny-random-sd-v", "sd", "v_prediction", "unet", ("text_encoder",)),
@@ -37,13 +37,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
         ("tiny-random-flux", "flux", "flow", "transformer", ("text_encoder", "text_encoder_2")),
     ],
 )  # fmt: skip
-def test_families_are_recognised(name, family, prediction, denoiser, encoders) -> None:
+def test_kinds_are_recognised(name, kind, prediction, denoiser, encoders) -> None:
     info = diffusion.inspect_pipeline(name)
-    assert (info.family, info.prediction, info.denoiser_part) == (family, prediction, denoiser)
+    assert (info.kind, info.prediction, info.denoiser_part) == (kind, prediction, denoiser)
     assert info.text_encoders == encoders
     assert info.tokenizers == tuple(e.replace("text_encoder", "tokenizer") for e in encoders)
     assert info.vae_scale_factor == 2 and info.latent_channels == 4
-    flow = family in ("sd3", "flux")
+    flow = kind in ("sd3", "flux")
     assert info.shift_factor == (0.0609 if flow else 0.0)
     assert info.scaling_factor == (1.5035 if flow else 0.18215)
 
@@ -144,7 +144,7 @@ def test_the_bucket_width_squared_is_one_layer_weight(name: str) -> None:
     denoiser = diffusion.load_denoiser(info, dtype=torch.float32)
     shapes = {tuple(p.shape) for p in denoiser.parameters()}
     config = info.denoiser_config
-    if info.family in ("sd", "sdxl"):
+    if info.kind in ("sd", "sdxl"):
         c = max(config["block_out_channels"])
         assert (c, c, 3, 3) in shapes
         assert diffusion.bucket_width(info) ** 2 == c * c * 3 * 3
@@ -194,16 +194,16 @@ FLUX_DEV = dict(
 
 
 @pytest.mark.parametrize(
-    ("family", "cls", "config", "expected"),
+    ("kind", "cls", "config", "expected"),
     [
         ("sd", "UNet2DConditionModel", SD15_UNET, 859_520_964),  # SD 1.5: "0.86B"
         ("sdxl", "UNet2DConditionModel", SDXL_UNET, 2_567_463_684),  # SDXL base: "2.6B"
         ("flux", "FluxTransformer2DModel", FLUX_DEV, 11_901_408_320),  # Flux.1-dev: "12B"
     ],
 )
-def test_denoiser_sizes_from_config_on_meta(family, cls, config, expected) -> None:
+def test_denoiser_sizes_from_config_on_meta(kind, cls, config, expected) -> None:
     base = diffusion.inspect_pipeline("tiny-random-sd")
-    info = dataclasses.replace(base, family=family, denoiser_class=cls, denoiser_config=config)
+    info = dataclasses.replace(base, kind=kind, denoiser_class=cls, denoiser_config=config)
     sizes = denoiser_sizes(info)
     assert sizes.total == sizes.trainable == expected
     assert 0 < sizes.largest_layer < expected
@@ -231,10 +231,10 @@ def test_lora_sizes_on_meta() -> None:
 def _inputs(info, batch: int = 2) -> tuple[tuple, dict]:
     generator = torch.Generator().manual_seed(0)
     latents = torch.randn(batch, 4, 16, 16, generator=generator)
-    if info.family in ("sd", "sdxl"):
-        width = 32 if info.family == "sd" else 64
+    if info.kind in ("sd", "sdxl"):
+        width = 32 if info.kind == "sd" else 64
         kwargs = {"encoder_hidden_states": torch.randn(batch, 77, width, generator=generator)}
-        if info.family == "sdxl":
+        if info.kind == "sdxl":
             kwargs["added_cond_kwargs"] = {
                 "text_embeds": torch.randn(batch, 32, generator=generator),
                 "time_ids": torch.tensor([[32.0, 32.0, 0.0, 0.0, 32.0, 32.0]] * batch),
@@ -259,7 +259,7 @@ def test_lora_adapter_loads_into_a_fresh_pipeline(name: str, tmp_path: Path) -> 
     args, kwargs = _inputs(info)
     with torch.no_grad():
         base = denoiser(*args, **kwargs).sample
-    diffusion.add_denoiser_adapters(denoiser, family=info.family, r=4, alpha=8, dropout=0.0)
+    diffusion.add_denoiser_adapters(denoiser, kind=info.kind, r=4, alpha=8, dropout=0.0)
     trainable = {n for n, p in denoiser.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     generator = torch.Generator().manual_seed(1)
@@ -272,7 +272,7 @@ def test_lora_adapter_loads_into_a_fresh_pipeline(name: str, tmp_path: Path) -> 
             torch.testing.assert_close(denoiser(*args, **kwargs).sample, base)
     assert (adapted - base).abs().max() > 1e-3
     out = diffusion.save_denoiser_adapter(
-        denoiser, denoiser.state_dict(), tmp_path / "adapter", family=info.family,
+        denoiser, denoiser.state_dict(), tmp_path / "adapter", kind=info.kind,
         denoiser_part=info.denoiser_part,
     )  # fmt: skip
     assert (out / "pytorch_lora_weights.safetensors").is_file()
@@ -294,7 +294,7 @@ def test_export_from_a_state_dict_with_a_merged_adapter(tmp_path: Path) -> None:
     parts = diffusion.load_frozen_parts(info, dtype=torch.float32)
     lora = dict(r=2, alpha=4, dropout=0.0)
     trained = diffusion.load_denoiser(info, dtype=torch.float32)
-    diffusion.add_denoiser_adapters(trained, family="sd3", **lora)
+    diffusion.add_denoiser_adapters(trained, kind="sd3", **lora)
     with torch.no_grad():  # stands in for training
         for name, param in trained.named_parameters():
             if "lora_B" in name:
@@ -317,12 +317,12 @@ def test_export_from_a_state_dict_with_a_merged_adapter(tmp_path: Path) -> None:
 def test_an_empty_adapter_is_not_saved(tmp_path: Path) -> None:
     info = diffusion.inspect_pipeline("tiny-random-sd")
     denoiser = diffusion.load_denoiser(info, dtype=torch.float32)
-    diffusion.add_denoiser_adapters(denoiser, family="sd", r=2, alpha=2, dropout=0.0)
+    diffusion.add_denoiser_adapters(denoiser, kind="sd", r=2, alpha=2, dropout=0.0)
     # What a ZeRO-3 rank's own parameters look like: empty partitions.
     partitions = {k: torch.empty(0) for k in denoiser.state_dict()}
     with pytest.raises(RuntimeError, match="empty tensors"):
         diffusion.save_denoiser_adapter(
-            denoiser, partitions, tmp_path / "a", family="sd", denoiser_part="unet"
+            denoiser, partitions, tmp_path / "a", kind="sd", denoiser_part="unet"
         )
     assert not (tmp_path / "a").exists()
 
@@ -334,7 +334,7 @@ def test_lora_targets_are_checked() -> None:
         ConfigError, match=r"'to_qq' names no module.*did you mean 'to_q'.*to_out\.0"
     ):
         diffusion.add_denoiser_adapters(
-            denoiser, family="sd", r=2, alpha=2, dropout=0.0, target_modules=["to_k", "to_qq"]
+            denoiser, kind="sd", r=2, alpha=2, dropout=0.0, target_modules=["to_k", "to_qq"]
         )
     assert diffusion.default_denoiser_targets("flux")[-1] == "to_add_out"
 

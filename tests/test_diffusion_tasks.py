@@ -25,16 +25,15 @@ from align_anything.errors import ConfigError
 from align_anything.families import diffusion, zoo
 from align_anything.families.diffusion import memory as diffusion_memory
 from align_anything.families.diffusion.forward import TimestepSampling, draw_seed
-from align_anything.families.text_to_image import shapes
-from align_anything.families.text_to_image.family import TEXT_TO_IMAGE
-from align_anything.families.text_to_image.images import read_image_source
-from align_anything.families.text_to_image.latents import (
+from align_anything.families.diffusion.latents import (
     LatentRows,
     ensure_latent_cache,
     latent_cache_folder,
-    latent_key_parts,
     open_latent_cache,
 )
+from align_anything.families.pipelines import PIPELINES
+from align_anything.families.text_to_image import media, shapes
+from align_anything.families.text_to_image.images import read_image_source
 from align_anything.tasks.diffusion.common import EVAL_STEP, Denoising
 from align_anything.tasks.diffusion.dpo import DiffusionDPO
 from align_anything.tasks.diffusion.sft import DiffusionSFT, check
@@ -56,9 +55,12 @@ def encoded_rows(tmp: Path, name: str, kind: str, parts: diffusion.FrozenParts) 
     path = tmp / f"{name}.parquet"
     shapes.write_parquet(rows, path)
     source = read_image_source(str(path), kind)
-    key = latent_key_parts(source, resolution=32, encoder=name)
-    ensure_latent_cache(source, key, root=tmp, resolution=32, encode_images=parts.encode_images,
-                        encode_prompts=parts.encode_prompts)  # fmt: skip
+    key = media.latent_key_parts(source, resolution=32, encoder=name)
+    ensure_latent_cache(
+        source, key, root=tmp, resolution=32, refs=media.image_refs(source),
+        prepare=media.cropper(32), encode_media=parts.encode_images,
+        encode_prompts=parts.encode_prompts,
+    )  # fmt: skip
     images = open_latent_cache(latent_cache_folder(tmp, key))
     return LatentRows(images, range(len(images)))
 
@@ -118,7 +120,7 @@ def test_sft_loss_is_the_mean_mse_of_each_rows_own_draw(setup: Setup) -> None:
     with torch.no_grad():
         out = task.loss(batch, normalizer=4.0, training=True)
     assert isinstance(out, LossOutput) and set(out.losses) == {"policy"}
-    tensors = setup.images.images.batch([1, 2])
+    tensors = setup.images.entry.batch([1, 2])
     expected = [
         by_hand(setup.unet, setup, tensors["latents"][i], tensors["prompt_embeds"][i], 3, row)[0]
         for i, row in enumerate((1, 2))
@@ -134,7 +136,7 @@ def test_min_snr_weights_the_mse_by_hand(setup: Setup) -> None:
                         pictures=None)  # fmt: skip
     with torch.no_grad():
         out = task.loss(task.collate([setup.images[0].at(7)]), normalizer=1.0, training=True)
-    tensors = setup.images.images.batch([0])
+    tensors = setup.images.entry.batch([0])
     mse, t = by_hand(setup.unet, setup, tensors["latents"][0], tensors["prompt_embeds"][0], 7, 0)
     alpha = float(setup.parts.noise_scheduler.alphas_cumprod[t])
     snr = alpha / (1 - alpha)
@@ -154,7 +156,7 @@ def test_a_held_out_images_loss_is_the_mean_over_its_eval_draws(setup: Setup) ->
     assert len(task.collate([setup.images[1].at(4)]).all_draws) == 1
     with torch.no_grad():
         out = task.loss(batch, normalizer=1.0, training=False)
-    tensors = setup.images.images.batch([1, 3])
+    tensors = setup.images.entry.batch([1, 3])
     mses, losses = [], []
     for i, row in enumerate((1, 3)):
         for k in range(3):
@@ -206,7 +208,7 @@ def test_dpo_loss_by_hand_with_shared_noise_and_timestep(setup: Setup, loss_type
     rows = [setup.pairs[0].at(2), setup.pairs[3].at(2)]
     with torch.no_grad():
         out = task.loss(task.collate(rows), normalizer=2.0, training=True)
-    chosen, rejected = setup.pairs.images.batch([0, 3])
+    chosen, rejected = setup.pairs.entry.batch([0, 3])
     losses, margins = [], []
     for i, row in enumerate((0, 3)):
         embeds = chosen["prompt_embeds"][i]
@@ -235,7 +237,7 @@ def test_dpo_loss_by_hand_with_shared_noise_and_timestep(setup: Setup, loss_type
 @pytest.mark.parametrize("name", ["tiny-random-sd-v", "tiny-random-sdxl", "tiny-random-sd3",
                                   "tiny-random-flux"])  # fmt: skip
 def test_dpo_at_the_start_is_ln2_on_every_family(name: str, tmp_path: Path) -> None:
-    """Policy = reference: the sigmoid loss is ln 2 exactly, on each family's conditioning
+    """Policy = reference: the sigmoid loss is ln 2 exactly, on each kind's conditioning
     (v-prediction, SDXL's pooled embeddings and time ids, SD3's and Flux's flow target)."""
     info = diffusion.inspect_pipeline(name)
     parts = diffusion.load_frozen_parts(info, dtype=torch.float32)
@@ -340,11 +342,11 @@ def test_the_planner_knows_an_sdxl_unet_without_its_weights(tmp_path: Path) -> N
     budget = 24 * 2**30
 
     def estimates_of(overrides: list[str]) -> list:
-        return plan.plan(load_config(overrides), TEXT_TO_IMAGE.estimate_memory, world_size=1)[
+        return plan.plan(load_config(overrides), PIPELINES.estimate_memory, world_size=1)[
             0
         ].estimates
 
-    figures = plan.plan(load_config(common), TEXT_TO_IMAGE.estimate_memory, world_size=1)[0]
+    figures = plan.plan(load_config(common), PIPELINES.estimate_memory, world_size=1)[0]
     estimates, sizes = figures.estimates, figures.sizes
     assert sizes.total == 2_567_463_684
     by_name = {e.preset: e for e in estimates}

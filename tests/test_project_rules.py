@@ -109,6 +109,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"zoo": ("families", "families.zoo")},
     {"diffusion": ("families.diffusion",)},
     {"language": ("families.language",), "text_to_image": ("families.text_to_image",)},
+    {"pipelines": ("families.pipelines",)},
     {"generation": ("generation",), "rewards": ("rewards",)},
     {"tasks": ("tasks",)},
     {"entry": ("train", "tools", "__main__")},

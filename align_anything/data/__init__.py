@@ -5,7 +5,7 @@ cache's entries (`cache`: keyed, built under a temporary name, checked by a mani
 
 How a model family turns records into what it trains on lives in its own room: the language
 family tokenises them (`families.language.pipeline`, `encode`), the text-to-image family encodes
-images into latents (`families.text_to_image.latents`)."""
+images into latents (`families.diffusion.latents`)."""
 
 from align_anything.data.formats import FORMATS, DataReport
 

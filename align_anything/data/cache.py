@@ -1,5 +1,5 @@
 """The on-disk cache's entries, whatever they hold (a language model's token rows:
-`families.language.token_cache`; a pipeline's latents: `families.text_to_image.latents`).
+`families.language.token_cache`; a pipeline's latents: `families.diffusion.latents`).
 
 - **Keyed.** An entry's folder is named by a hash of everything its contents depend on
   (`key_hash`), which its owner collects.

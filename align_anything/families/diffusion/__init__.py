@@ -1,8 +1,8 @@
 """Text-to-image models: diffusers pipelines from a folder (`model_index.json`), for the
 diffusion tasks (denoising fine-tuning, Diffusion-DPO).
 
-- `families`: the family names and what each needs (shared constants).
-- `pipeline`: which family a folder is (SD 1.x/2.x, SDXL, SD3-style flow matching, Flux), its
+- `families`: the kind names and what each needs (shared constants).
+- `pipeline`: which kind a folder is (SD 1.x/2.x, SDXL, SD3-style flow matching, Flux), its
   parts (`PipelineInfo`, from the folder's JSON files alone), loading the trained denoiser on
   its own (`load_denoiser`, `empty_denoiser`) and the frozen parts (`load_frozen_parts`: VAE,
   text encoders, tokenizers, noise scheduler), encoding images and captions for the latent
@@ -10,7 +10,7 @@ diffusion tasks (denoising fine-tuning, Diffusion-DPO).
   alone: `models.sizes.denoiser_sizes`).
 - `adapters`: LoRA on the denoiser through PEFT (diffusers' own adapter integration), saved in
   the format diffusers' `load_lora_weights` reads.
-- `sampling`: images for fixed prompts and seeds through the family's diffusers pipeline class
+- `sampling`: images for fixed prompts and seeds through the kind's diffusers pipeline class
   (given the run's modules, no second copy of the weights), and a labelled PNG grid.
 - `tiny`: the built-in tiny random pipelines of the tests (`tiny-random-sd`, ...), built from
   config and saved once, like the `tiny-random-*` language models of `models.zoo`.
@@ -23,7 +23,7 @@ from align_anything.families.diffusion.adapters import (
     default_denoiser_targets,
     save_denoiser_adapter,
 )
-from align_anything.families.diffusion.kinds import FAMILIES
+from align_anything.families.diffusion.kinds import KINDS
 from align_anything.families.diffusion.parts import (
     FrozenParts,
     bucket_width,
@@ -43,7 +43,7 @@ from align_anything.families.diffusion.pipeline import (
 from align_anything.families.diffusion.sampling import sample_images, save_grid
 
 __all__ = [
-    "FAMILIES",
+    "KINDS",
     "LORA_WEIGHTS",
     "FrozenParts",
     "PipelineInfo",

@@ -1,6 +1,6 @@
 """LoRA on a denoiser, through PEFT as diffusers integrates it (`ModelMixin.add_adapter`).
 
-The denoiser stays a diffusers model (not a PEFT wrapper), so the family's pipeline samples with
+The denoiser stays a diffusers model (not a PEFT wrapper), so the kind's pipeline samples with
 it as it is, and the adapter saves in exactly the layout diffusers' `load_lora_weights` reads
 (the pipeline class's `save_lora_weights`, with the adapter's config as metadata so a rank and
 alpha that differ load back with the right scale). As for language models (`models.lora`):
@@ -35,9 +35,9 @@ TRANSFORMER_TARGETS = (*UNET_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
-def default_denoiser_targets(family: str) -> list[str]:
-    """The modules LoRA adapts by default in a denoiser of `family`."""
-    return list(UNET_TARGETS if family in ("sd", "sdxl") else TRANSFORMER_TARGETS)
+def default_denoiser_targets(kind: str) -> list[str]:
+    """The modules LoRA adapts by default in a denoiser of `kind`."""
+    return list(UNET_TARGETS if kind in ("sd", "sdxl") else TRANSFORMER_TARGETS)
 
 
 def _short_name(name: str) -> str:
@@ -47,7 +47,7 @@ def _short_name(name: str) -> str:
     return ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
 
 
-def _check_targets(denoiser: torch.nn.Module, targets: list[str], family: str) -> None:
+def _check_targets(denoiser: torch.nn.Module, targets: list[str], kind: str) -> None:
     """Every target must name a module the way PEFT matches it (the full name or its last
     dotted parts); PEFT itself accepts names that match nothing as long as one name matches."""
     names = [name for name, _ in denoiser.named_modules() if name]
@@ -61,13 +61,13 @@ def _check_targets(denoiser: torch.nn.Module, targets: list[str], family: str) -
     raise ConfigError(
         f"model.lora.target_modules: {', '.join(repr(t) for t in missing)} {verb} of "
         f"{type(denoiser).__name__}{did_you_mean(missing[0], linear)}. Its linear layers are "
-        f"named: {', '.join(linear)}; the default for {family} is "
-        f"[{','.join(default_denoiser_targets(family))}] (model.lora.target_modules=default)"
+        f"named: {', '.join(linear)}; the default for {kind} is "
+        f"[{','.join(default_denoiser_targets(kind))}] (model.lora.target_modules=default)"
     )
 
 
 def add_denoiser_adapters(
-    denoiser: torch.nn.Module, *, family: str, r: int, alpha: float, dropout: float,
+    denoiser: torch.nn.Module, *, kind: str, r: int, alpha: float, dropout: float,
     target_modules: list[str] | str = "default",
 ) -> torch.nn.Module:  # fmt: skip
     """Add a LoRA adapter ("default") to `denoiser` in place and freeze its base weights;
@@ -77,13 +77,13 @@ def add_denoiser_adapters(
     so the adapted denoiser starts equal to the base."""
     from peft import LoraConfig
 
-    targets = default_denoiser_targets(family) if target_modules == "default" else target_modules
+    targets = default_denoiser_targets(kind) if target_modules == "default" else target_modules
     if isinstance(targets, str):
         raise ConfigError(
             f"model.lora.target_modules={targets!r}: a denoiser takes 'default' or a list of "
-            f"module names, e.g. [{','.join(default_denoiser_targets(family))}]"
+            f"module names, e.g. [{','.join(default_denoiser_targets(kind))}]"
         )
-    _check_targets(denoiser, list(targets), family)
+    _check_targets(denoiser, list(targets), kind)
     config = LoraConfig(
         r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
         init_lora_weights=True,
@@ -118,10 +118,10 @@ def adapter_state(denoiser: torch.nn.Module, state_dict: dict[str, torch.Tensor]
 
 def save_denoiser_adapter(
     denoiser: torch.nn.Module, state_dict: dict[str, torch.Tensor], directory: Path, *,
-    family: str, denoiser_part: str, configs: dict[str, Any] | None = None,
+    kind: str, denoiser_part: str, configs: dict[str, Any] | None = None,
 ) -> Path:  # fmt: skip
     """Write the adapter of `denoiser` from a full gathered `state_dict` (ZeRO-3: the engine's
-    consolidated one) into `directory` (atomically) as the family's pipeline class writes it:
+    consolidated one) into `directory` (atomically) as the kind's pipeline class writes it:
     `pytorch_lora_weights.safetensors`, which `pipeline.load_lora_weights(directory)` loads,
     with `configs` (file name -> JSON data) beside it. An adapter without weights (an empty
     ZeRO-3 partition) is refused rather than saved."""
@@ -137,11 +137,11 @@ def save_denoiser_adapter(
             + (f" ({len(empty)} empty tensors, e.g. {empty[0]})" if empty else "")
             + ": pass the gathered full state dict (ZeRO-3 partitions are empty)"
         )
-    if family in ("sd", "sdxl"):
+    if kind in ("sd", "sdxl"):
         from diffusers.utils import convert_state_dict_to_diffusers
 
         layers = convert_state_dict_to_diffusers(layers)  # as diffusers' UNet LoRA scripts do
-    cls = getattr(diffusers, PIPELINE_CLASSES[family])
+    cls = getattr(diffusers, PIPELINE_CLASSES[kind])
     config = denoiser.peft_config["default"].to_dict()
     with atomic.folder(Path(directory)) as tmp:
         cls.save_lora_weights(

@@ -4,7 +4,7 @@ embeddings meets the denoiser (the diffusion sibling of `forward`, in the same l
 A step of denoising training, per sample: draw noise ε and a noise level t (`draw_noise`),
 noise the clean latents x₀ to x_t and take the target (`noisy_latents_and_target`), run the
 denoiser with the text conditioning (`predict`), and compare (`denoising_mse`, the per-sample
-MSE of `losses.per_sample_mse`). Per family:
+MSE of `losses.per_sample_mse`). Per kind:
 
 - DDPM-style (SD 1.x/2.x, SDXL): t uniform over the scheduler's training timesteps,
   x_t = `scheduler.add_noise(x₀, ε, t)` = α_t·x₀ + σ_t·ε; target ε (epsilon) or
@@ -127,7 +127,7 @@ def noisy_latents_and_target(
     info: PipelineInfo, scheduler: Any, latents: Tensor, draw: NoiseDraw
 ) -> tuple[Tensor, Tensor]:
     """(x_t, target) in fp32 on the latents' device, for clean latents x₀ and the draws (see
-    the module docstring for each family's formulas)."""
+    the module docstring for each kind's formulas)."""
     latents = latents.float()
     noise = draw.noise.to(latents.device)
     if info.flow:
@@ -152,16 +152,16 @@ def predict(
     noisy = noisy.to(device=device, dtype=dtype)
     timesteps = timesteps.to(device)
     embeds = batch["prompt_embeds"]
-    if info.family == "sd":
+    if info.kind == "sd":
         return denoiser(noisy, timesteps, encoder_hidden_states=embeds, return_dict=False)[0]
-    if info.family == "sdxl":
+    if info.kind == "sdxl":
         added = {"text_embeds": batch["pooled_prompt_embeds"],
                  "time_ids": batch["add_time_ids"].to(dtype)}  # fmt: skip
         return denoiser(
             noisy, timesteps, encoder_hidden_states=embeds, added_cond_kwargs=added,
             return_dict=False,
         )[0]  # fmt: skip
-    if info.family == "sd3":
+    if info.kind == "sd3":
         return denoiser(
             hidden_states=noisy, timestep=timesteps, encoder_hidden_states=embeds,
             pooled_projections=batch["pooled_prompt_embeds"], return_dict=False,

@@ -43,29 +43,29 @@ def _text_length(info: Any, part: str, default: int) -> int:
 
 
 def _meta_conditioning(info: Any, samples: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Text conditioning of the shapes a family's pipeline feeds its denoiser (on the current
+    """Text conditioning of the shapes a kind's pipeline feeds its denoiser (on the current
     device: call under `torch.device("meta")`)."""
     from align_anything.families.diffusion.kinds import DEFAULT_T5_LENGTH
 
     config = info.denoiser_config
     clip = _text_length(info, "tokenizer", 77)
-    if info.family in ("sd", "sdxl"):
+    if info.kind in ("sd", "sdxl"):
         width, tokens = int(config["cross_attention_dim"]), clip
     else:
-        t5_part = "tokenizer_3" if info.family == "sd3" else "tokenizer_2"
-        t5 = min(DEFAULT_T5_LENGTH[info.family], _text_length(info, t5_part, 10**6))
+        t5_part = "tokenizer_3" if info.kind == "sd3" else "tokenizer_2"
+        t5 = min(DEFAULT_T5_LENGTH[info.kind], _text_length(info, t5_part, 10**6))
         width, tokens = (
             int(config["joint_attention_dim"]),
-            t5 + (clip if info.family == "sd3" else 0),
+            t5 + (clip if info.kind == "sd3" else 0),
         )
     batch = {"prompt_embeds": torch.zeros(samples, tokens, width, dtype=dtype)}
-    if info.family == "sdxl":
+    if info.kind == "sdxl":
         pooled = int(config["projection_class_embeddings_input_dim"]) - 6 * int(
             config["addition_time_embed_dim"]
         )
         batch["pooled_prompt_embeds"] = torch.zeros(samples, pooled, dtype=dtype)
         batch["add_time_ids"] = torch.zeros(samples, 6, dtype=dtype)
-    elif info.family in ("sd3", "flux"):
+    elif info.kind in ("sd3", "flux"):
         pooled = int(config["pooled_projection_dim"])
         batch["pooled_prompt_embeds"] = torch.zeros(samples, pooled, dtype=dtype)
     return batch
@@ -106,7 +106,7 @@ def denoiser_activations(
     from align_anything.families.diffusion.forward import predict
     from align_anything.families.diffusion.parts import empty_denoiser
 
-    key = (str(info.path), info.family, repr(sorted(info.denoiser_config.items())), resolution,
+    key = (str(info.path), info.kind, repr(sorted(info.denoiser_config.items())), resolution,
            samples, precision, gradient_checkpointing)  # fmt: skip
     if key in _ACTIVATIONS:
         return _ACTIVATIONS[key]
@@ -215,7 +215,7 @@ def estimate_denoiser(
 def estimate_memory(
     cfg: RunConfig, world_size: int, gpus_per_node: int, precision: str
 ) -> FamilyEstimates:
-    """The run's estimate under every shipped preset (the family's `estimate_memory`)."""
+    """The run's estimate under every shipped preset (the kind's `estimate_memory`)."""
     info = inspect_pipeline(cfg.model.name_or_path)
     resolution = cfg.data.resolution or info.default_resolution
     figures = denoiser_figures(cfg, info, precision=precision, resolution=resolution)

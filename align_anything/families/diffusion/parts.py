@@ -3,7 +3,6 @@
 the frozen VAE, text encoders, tokenizers and schedulers outside any engine
 (`load_frozen_parts`), saving a trained pipeline (`save_pipeline`), the width DeepSpeed's
 buckets follow, and the parts' identity for the latent cache's key (`encoder_identity`).
-`PipelineSide` is what set-up knows of a pipeline before the denoiser loads.
 """
 
 from __future__ import annotations
@@ -191,7 +190,7 @@ class FrozenParts:
         return next(self.vae.parameters()).device
 
     def pipeline(self, denoiser: torch.nn.Module | None) -> Any:
-        """The family's text-to-image pipeline object over these modules and `denoiser` (None
+        """The kind's text-to-image pipeline object over these modules and `denoiser` (None
         for the text side only: a denoiser on the meta device stands in, whose config the
         prompt encoding reads, e.g. SD3 without T5): references, no copies. No progress bar."""
 
@@ -230,22 +229,22 @@ class FrozenParts:
 
     @torch.no_grad()
     def encode_prompts(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
-        """The text conditioning of each caption, through the family's own pipeline
+        """The text conditioning of each caption, through the kind's own pipeline
         `encode_prompt` (so training sees exactly what sampling feeds the denoiser):
         `prompt_embeds` [B, L, D] and, except for SD 1.x/2.x, `pooled_prompt_embeds` [B, P]."""
         if self._text_pipeline is None:  # built once: the meta denoiser takes a moment
             self._text_pipeline = self.pipeline(None)
         pipe = self._text_pipeline
         captions, device = list(captions), self.device
-        family = self.info.family
-        if family == "sd":
+        kind = self.info.kind
+        if kind == "sd":
             embeds, _ = pipe.encode_prompt(captions, device, 1, False)
             return {"prompt_embeds": embeds}
-        if family == "sdxl":
+        if kind == "sdxl":
             embeds, _, pooled, _ = pipe.encode_prompt(
                 captions, device=device, do_classifier_free_guidance=False
             )
-        elif family == "sd3":
+        elif kind == "sd3":
             embeds, _, pooled, _ = pipe.encode_prompt(
                 captions, None, None, device=device, do_classifier_free_guidance=False,
                 max_sequence_length=self.max_sequence_length,
@@ -280,10 +279,10 @@ def load_frozen_parts(
     finally:
         diffusers_logging.set_verbosity(verbosity)
     length = max_sequence_length
-    if length is None and info.family in DEFAULT_T5_LENGTH:
-        t5 = tokenizers.get("tokenizer_3" if info.family == "sd3" else "tokenizer_2")
-        limit = getattr(t5, "model_max_length", None) or DEFAULT_T5_LENGTH[info.family]
-        length = min(DEFAULT_T5_LENGTH[info.family], int(limit))
+    if length is None and info.kind in DEFAULT_T5_LENGTH:
+        t5 = tokenizers.get("tokenizer_3" if info.kind == "sd3" else "tokenizer_2")
+        limit = getattr(t5, "model_max_length", None) or DEFAULT_T5_LENGTH[info.kind]
+        length = min(DEFAULT_T5_LENGTH[info.kind], int(limit))
     return FrozenParts(
         info=info, vae=vae, text_encoders=encoders, tokenizers=tokenizers, scheduler=scheduler,
         noise_scheduler=training_scheduler(info), max_sequence_length=length,
@@ -302,7 +301,7 @@ def denoiser_from_state_dict(
 
     model = empty_denoiser(info)
     if adapters:
-        add_denoiser_adapters(model, family=info.family, **adapters)
+        add_denoiser_adapters(model, kind=info.kind, **adapters)
     model.load_state_dict(state_dict, strict=True)
     return merge_adapters(model).eval()
 
@@ -341,7 +340,7 @@ def bucket_width(info: PipelineInfo) -> int:
       step for `tiny-t2i-shapes` (37 at 3·c), about a tenth of its Diffusion-DPO step at z2 on
       busy CPU cores (benchmarks/README.md, "Diffusion-DPO")."""
     config = info.denoiser_config
-    if info.family in ("sd", "sdxl"):
+    if info.kind in ("sd", "sdxl"):
         return UNET_KERNEL_SIDE * int(max(config.get("block_out_channels") or [320]))
     return int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 64))
 
@@ -376,26 +375,12 @@ def encoder_identity(
     """A hash of what turns an image and a caption into cached latents and text embeddings:
     the VAE's and every text encoder's and tokenizer's files (configs and weights, each file's
     size and xxh3-64 digest; remembered per file size and modification time within a process),
-    the family's encoding choices and the dtype they ran in."""
+    the kind's encoding choices and the dtype they ran in."""
     parts = ["vae", *info.text_encoders, *info.tokenizers]
     content: dict[str, Any] = {p: _folder_digest(info.part_path(p)) for p in parts}
     content["encoding"] = {
-        "family": info.family, "scaling_factor": info.scaling_factor,
+        "family": info.kind, "scaling_factor": info.scaling_factor,
         "shift_factor": info.shift_factor, "max_sequence_length": max_sequence_length,
         "dtype": str(dtype), "latent": "posterior mean",
     }  # fmt: skip
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:20]
-
-
-@dataclass(frozen=True)
-class PipelineSide:
-    """A pipeline as far as set-up needs it before the denoiser loads: `name` as the user gave
-    it, `path` it resolved to, `info` (kind, parts, target, from its JSON files), the frozen
-    `parts` (VAE, text encoders, tokenizers, schedulers: whole on this rank's device in the
-    run's precision, outside any engine) and the training `resolution`."""
-
-    name: str
-    path: str
-    info: PipelineInfo
-    parts: FrozenParts
-    resolution: int

@@ -1,9 +1,9 @@
-"""A diffusers pipeline folder: its family, its parts, and loading them for training.
+"""A diffusers pipeline folder: its kind, its parts, and loading them for training.
 
 A folder is a pipeline when it holds `model_index.json` (diffusers' own layout: one subfolder
-per part). The family follows from the denoiser's class and the parts present:
+per part). The kind follows from the denoiser's class and the parts present:
 
-| family | denoiser | text encoders | target |
+| kind | denoiser | text encoders | target |
 | --- | --- | --- | --- |
 | `sd` (SD 1.x / 2.x) | `UNet2DConditionModel` | one CLIP | epsilon or v (the scheduler's `prediction_type`) |
 | `sdxl` | `UNet2DConditionModel` with `addition_embed_type="text_time"` | two CLIP (pooled from the second) | epsilon or v; size and crop conditioning (`add_time_ids`) |
@@ -25,6 +25,7 @@ from typing import Any
 from align_anything.errors import ModelError, did_you_mean
 from align_anything.families.diffusion.kinds import (
     INDEX,
+    MEDIUM,
     OPTIONAL_PARTS,
     PIPELINE_CLASSES,
     TEXT_ENCODERS,
@@ -46,7 +47,7 @@ class PipelineInfo:
 
     name: str
     path: Path
-    family: str
+    kind: str
     denoiser_part: str  # "unet" or "transformer": the subfolder
     denoiser_class: str
     text_encoders: tuple[str, ...]  # the parts present, in the pipeline's order
@@ -70,7 +71,12 @@ class PipelineInfo:
 
     @property
     def pipeline_class(self) -> str:
-        return PIPELINE_CLASSES[self.family]
+        return PIPELINE_CLASSES[self.kind]
+
+    @property
+    def medium(self) -> str:
+        """What the pipeline makes ("image"): which family's room reads its data."""
+        return MEDIUM[self.kind]
 
     def part_path(self, part: str) -> Path:
         return self.path / part
@@ -78,7 +84,7 @@ class PipelineInfo:
     def describe(self) -> str:
         """One line for the start-up summary."""
         return (
-            f"{self.family} ({self.denoiser_class}, {self.prediction} target; text encoders: "
+            f"{self.kind} ({self.denoiser_class}, {self.prediction} target; text encoders: "
             f"{', '.join(self.text_encoders)}; latents {self.latent_channels} channels, "
             f"1/{self.vae_scale_factor} of the image side)"
         )
@@ -176,7 +182,7 @@ def _component(index: dict[str, Any], part: str) -> tuple[str, str] | None:
     return None
 
 
-def _family(name: str, index: dict[str, Any], denoiser_class: str, config: dict) -> str:
+def _kind(name: str, index: dict[str, Any], denoiser_class: str, config: dict) -> str:
     if denoiser_class == "SD3Transformer2DModel":
         return "sd3"
     if denoiser_class == "FluxTransformer2DModel":
@@ -226,12 +232,12 @@ def inspect_pipeline(name_or_path: str) -> PipelineInfo:
     _check_parts(name_or_path, folder, index, [denoiser_part, "vae", "scheduler"])
     what = f"model.name_or_path={name_or_path!r}"
     config = _read_json(folder / denoiser_part / "config.json", what)
-    family = _family(name_or_path, index, denoiser_class, config)
-    encoders = [p for p in TEXT_ENCODERS[family] if p not in OPTIONAL_PARTS or _component(index, p)]
+    kind = _kind(name_or_path, index, denoiser_class, config)
+    encoders = [p for p in TEXT_ENCODERS[kind] if p not in OPTIONAL_PARTS or _component(index, p)]
     _check_parts(name_or_path, folder, index, [x for p in encoders for x in (p, _tokenizer_of(p))])
     scheduler = _read_json(folder / "scheduler" / "scheduler_config.json", what)
     vae = _read_json(folder / "vae" / "config.json", what)
-    if family in ("sd3", "flux"):
+    if kind in ("sd3", "flux"):
         prediction = "flow"
     else:
         prediction = scheduler.get("prediction_type") or "epsilon"
@@ -242,7 +248,7 @@ def inspect_pipeline(name_or_path: str) -> PipelineInfo:
             )
     scale = 2 ** (len(vae.get("block_out_channels") or [0]) - 1)
     return PipelineInfo(
-        name=name_or_path, path=folder, family=family, denoiser_part=denoiser_part,
+        name=name_or_path, path=folder, kind=kind, denoiser_part=denoiser_part,
         denoiser_class=denoiser_class, text_encoders=tuple(encoders), prediction=prediction,
         scaling_factor=float(vae.get("scaling_factor") or 0.18215),
         shift_factor=float(vae.get("shift_factor") or 0.0), vae_scale_factor=scale,

@@ -1,6 +1,6 @@
 """Images for fixed prompts and seeds from the current denoiser, and a labelled PNG grid.
 
-Sampling goes through the family's own diffusers pipeline class, built over the run's modules
+Sampling goes through the kind's own diffusers pipeline class, built over the run's modules
 (`FrozenParts.pipeline`: references, no second copy of the weights), so what a user sees is
 what diffusers would make from the saved folder. Each image has its own generator, seeded by
 its seed: the same prompt and seed give the same starting noise whatever the batch, rank or

@@ -26,7 +26,7 @@ def denoiser_sizes(info: PipelineInfo, *, adapters: dict[str, Any] | None = None
     with torch.device("meta"):
         model = empty_denoiser(info)
         if adapters:
-            add_denoiser_adapters(model, family=info.family, **adapters)
+            add_denoiser_adapters(model, kind=info.kind, **adapters)
     trainable, frozen = count_parameters(model)
     return DenoiserSizes(trainable + frozen, trainable, largest_layer(model))
 

@@ -1,4 +1,4 @@
-"""Built-in tiny random text-to-image pipelines for the tests, one per family.
+"""Built-in tiny random text-to-image pipelines for the tests, one per kind.
 
 Built from config with seeded random weights, saved once into the model cache
 (`models.zoo`, like the `tiny-random-*` language models) and from then on loaded like any

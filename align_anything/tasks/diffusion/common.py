@@ -1,8 +1,8 @@
-"""What the text-to-image tasks share (`diffusion_sft`, `diffusion_dpo`): their batches, the
-seeded noise draws, the denoiser's per-sample MSE, the DPO reference of a LoRA run, and the
-images drawn for people and for the held-out check.
+"""What the pipeline tasks share (`diffusion_sft`, `diffusion_dpo`), whatever the pipeline's
+medium: their batches, the seeded noise draws, the denoiser's per-sample MSE, the DPO reference
+of a LoRA run, and the samples drawn for people and for the held-out check.
 
-A batch is read from the latent cache (`data.latents`: VAE latents and text embeddings encoded
+A batch is read from the latent cache (`families.diffusion.latents`: VAE latents and text embeddings encoded
 once), with each sample's noise and noise level drawn in the collate step from its own
 generator, seeded by (run seed, optimizer step, the row's index in its split)
 (`forward_diffusion.draw_seed`): a sample's draw depends on nothing else, so 2 ranks compute
@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 
 from align_anything.families.diffusion import PipelineInfo, adapters_disabled
+from align_anything.families.diffusion import family as pipelines
+from align_anything.families.diffusion.family import PipelineSide
 from align_anything.families.diffusion.forward import (
     NoiseDraw,
     TimestepSampling,
@@ -31,9 +33,7 @@ from align_anything.families.diffusion.forward import (
     draw_seed,
     paired_denoising_mse,
 )
-from align_anything.families.diffusion.parts import PipelineSide
-from align_anything.families.text_to_image import family as text_to_image
-from align_anything.families.text_to_image.latents import LatentRow, row_tensors
+from align_anything.families.diffusion.latents import LatentRow, row_tensors
 from align_anything.training.run import Run
 from align_anything.training.sources import RowBatches
 
@@ -79,7 +79,7 @@ class ImagePairBatch:
 
 @dataclass
 class Denoising:
-    """The denoising pass of a run: which pipeline family (target and conditioning), the
+    """The denoising pass of a run: which pipeline kind (target and conditioning), the
     training noise scheduler, how noise levels are drawn, the run's seed, and the dtype and
     device the denoiser computes in."""
 
@@ -141,7 +141,7 @@ class Denoising:
 def denoising(run: Run, section: Any, *, eval_draws: int = 1) -> Denoising:
     """The run's denoising pass (the task section's noise-level density and Flux guidance);
     `eval_draws`: the draws each held-out image is scored at."""
-    model: PipelineSide = run.model  # type: ignore[assignment]
+    model: PipelineSide = run.model
     return Denoising(
         info=model.info, scheduler=model.parts.noise_scheduler,
         sampling=TimestepSampling(
@@ -176,21 +176,21 @@ class BaseDenoiser:
 
 @dataclass
 class Pictures:
-    """What a text-to-image task draws besides its loss: the sample grid (before training,
-    after it, every `logging.samples_every` steps) and the held-out image check of built-in
-    data (before and after)."""
+    """What a pipeline task draws besides its loss: the samples (before training, after it,
+    every `logging.samples_every` steps) and the held-out check of built-in data (before and
+    after)."""
 
     run: Run
-    samples: text_to_image.Samples
-    check: text_to_image.ImageCheck | None
+    samples: pipelines.Samples
+    check: pipelines.OutputCheck | None
     check_samples: int
     section: Any
     shown: list[str] = field(default_factory=list)
 
     def evaluate(self, label: str) -> dict[str, float]:
-        """`eval/image_check` (where the data has a check), and the grid before and after
-        training. Collective."""
-        results = text_to_image.run_image_check(
+        """`eval/<medium>_check` (where the data has a check), and the samples before and
+        after training. Collective."""
+        results = pipelines.run_check(
             self.run, self.check, samples=self.check_samples, section=self.section
         )
         if label in ("before", "after"):
@@ -202,16 +202,16 @@ class Pictures:
 
 
 def pictures(run: Run, section: Any) -> Pictures:
-    """The run's sample grid and held-out check; their start-up summary lines."""
-    data = run.cfg.data
-    check = text_to_image.image_check(data.eval_path or data.path)
-    samples = text_to_image.build_samples(run, section)
+    """The run's samples and held-out check; their start-up summary lines."""
+    check = pipelines.output_check(run)
+    samples = pipelines.build_samples(run, section)
     run.summary.append(samples.describe())
     if check is not None and section.check_samples:
         count = min(section.check_samples, len(check.captions))
         run.summary.append(
-            f"  image check     {count} held-out captions with their seeds, before and after "
-            f"training: the share whose image passes the {check.name} rule (eval/image_check)"
+            f"  {run.model.medium.name} check     {count} held-out captions with their seeds, "
+            f"before and after training: the share whose {run.model.medium.name} passes the "
+            f"{check.name} rule (eval/{run.model.medium.name}_check)"
         )
     return Pictures(run, samples, check, section.check_samples, section)
 

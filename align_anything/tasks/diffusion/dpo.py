@@ -26,8 +26,8 @@ import torch
 
 from align_anything.backend.engine import InferenceEngine
 from align_anything.families import diffusion
-from align_anything.families.diffusion.parts import PipelineSide
-from align_anything.families.text_to_image.family import TEXT_TO_IMAGE
+from align_anything.families.diffusion.family import PipelineSide
+from align_anything.families.pipelines import PIPELINES
 from align_anything.losses.diffusion import diffusion_dpo_loss
 from align_anything.tasks.diffusion.common import (
     BaseDenoiser,
@@ -96,7 +96,7 @@ def build_reference(run: Run) -> tuple[Any, str]:
     if run.cfg.model.lora.enabled:
         line = "the base denoiser: the policy with its adapters disabled (no copy)"
         return BaseDenoiser(run.policy), line
-    model: PipelineSide = run.model  # type: ignore[assignment]
+    model: PipelineSide = run.model
     ds_plan = run.ds_plan
     base = diffusion.load_denoiser(
         model.info, dtype=next(run.policy.module.parameters()).dtype, ds_config=ds_plan.config
@@ -118,5 +118,5 @@ def build(run: Run) -> tuple[DiffusionDPO, RowBatches]:
 
 
 SPEC = TaskSpec(
-    name="diffusion_dpo", record_kind="pairs", encoding=None, build=build, family=TEXT_TO_IMAGE
+    name="diffusion_dpo", record_kind="pairs", encoding=None, build=build, family=PIPELINES
 )

@@ -19,9 +19,9 @@ import torch
 
 from align_anything.config import RunConfig
 from align_anything.errors import ConfigError
+from align_anything.families.diffusion.family import PipelineSide
 from align_anything.families.diffusion.forward import signal_to_noise
-from align_anything.families.diffusion.parts import PipelineSide
-from align_anything.families.text_to_image.family import TEXT_TO_IMAGE
+from align_anything.families.pipelines import PIPELINES
 from align_anything.losses.diffusion import denoising_loss, min_snr_weights
 from align_anything.tasks.diffusion.common import (
     Denoising,
@@ -37,12 +37,12 @@ from align_anything.training.task import LossOutput, Task, TaskSpec
 
 
 def check(cfg: RunConfig, model: PipelineSide) -> None:
-    """min-SNR-γ weights apply to epsilon and v-prediction: an error for a flow family."""
+    """min-SNR-γ weights apply to epsilon and v-prediction: an error for a flow kind."""
     gamma = cfg.diffusion_sft.min_snr_gamma  # type: ignore[union-attr]
     if gamma is not None and model.info.flow:
         raise ConfigError(
             f"diffusion_sft.min_snr_gamma={gamma}: min-SNR weighting is for epsilon and "
-            f"v-prediction denoisers; {model.name} is a flow-matching {model.info.family} "
+            f"v-prediction denoisers; {model.name} is a flow-matching {model.info.kind} "
             "pipeline, whose timestep density (diffusion_sft.timestep_sampling) plays that "
             "part: set diffusion_sft.min_snr_gamma=null"
         )
@@ -114,5 +114,5 @@ def build(run: Run) -> tuple[DiffusionSFT, RowBatches]:
 
 SPEC = TaskSpec(
     name="diffusion_sft", record_kind="captioned", encoding=None, build=build,
-    family=TEXT_TO_IMAGE, check=check,
+    family=PIPELINES, check=check,
 )  # fmt: skip

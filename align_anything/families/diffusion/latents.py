@@ -1,25 +1,26 @@
-"""Encode once: the VAE latents and text-encoder outputs of a text-to-image data source,
-computed once into the data cache and memory-mapped by every rank.
+"""Encode once: the VAE latents and text-encoder outputs of a diffusion pipeline's data source
+(captioned media, or preference pairs of media), computed once into the data cache and
+memory-mapped by every rank. Shared by the pipeline families; what a medium is (an image, a
+clip) and how it becomes pixels is the family's (`ensure_latent_cache`'s `refs` and `prepare`).
 
-The VAE is what costs in text-to-image training data (a forward pass through the encoder per
-image per step, when the images are encoded online); the latents and the caption embeddings of
-a data source do not change while the VAE and text encoders are frozen, so they are computed
-once, in batches, and read back as numpy memory maps.
+The VAE is what costs in such training data (a forward pass through the encoder per item per
+step, when the media are encoded online); the latents and the caption embeddings of a data
+source do not change while the VAE and text encoders are frozen, so they are computed once, in
+batches, and read back as numpy memory maps.
 
-- **Key** (`latent_key_parts`): the source's kind, path and column mapping, each data file's
-  and each referenced image file's size and xxh3-128 digest (embedded images are in the data
-  files' bytes; captions in the data or `.txt` files), the resolution and crop, the identity
-  of the VAE and text encoders (`models.diffusion.encoder_identity`: their files and encoding
-  choices) and `LATENT_ENCODER_VERSION`. The entry is `<cache root>/latents-<key>`.
+- **Key**: everything the arrays depend on, collected by the family (for images:
+  `families.text_to_image.media.latent_key_parts`: the source's kind, path and columns, each
+  data and image file's size and xxh3-128 digest, the resolution and crop, the identity of the
+  VAE and text encoders, `LATENT_ENCODER_VERSION`). The entry is `<cache root>/latents-<key>`.
 - **Built like every cache entry** (`data.cache.build_entry`: a temporary sibling, the
   manifest last with every file's size and digest, published atomically; an entry that does
   not match its manifest is rebuilt, never read). Local rank 0 of each node builds it while
   the other ranks wait, as for the text data (`trainers/base._ensure_cache`), then every rank
   opens it (`open_latent_cache`).
-- **Content**: unique images (by the digest of their bytes) and unique captions each encoded
-  once: `latents.npy` [images, C, h, w], `prompt_embeds.npy` [captions, L, D],
-  `pooled_prompt_embeds.npy` [captions, P] (families with pooled embeddings),
-  `geometry.npy` [images, 4] (original height, width, crop top, left: SDXL's conditioning),
+- **Content**: unique media (by the digest of their bytes) and unique captions each encoded
+  once: `latents.npy` [media, C, ...latent shape], `prompt_embeds.npy` [captions, L, D],
+  `pooled_prompt_embeds.npy` [captions, P] (kinds with pooled embeddings),
+  `geometry.npy` [media, 4] (original height, width, crop top, left: SDXL's conditioning),
   `rows.npy`: per training row (caption, image) or (caption, chosen, rejected) indices, and
   `captions.json`: the caption texts (sample prompts are drawn from the held-out ones).
   Arrays keep the encoders' dtype (bfloat16 stored as its 16-bit pattern: numpy has no bf16).
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -44,17 +45,43 @@ from align_anything import atomic
 from align_anything.data import cache
 from align_anything.data.formats import DataReport
 from align_anything.errors import DataError
-from align_anything.families.text_to_image.images import ImageRef, ImageSource, center_crop
 
 # Raise when the same inputs would encode to other arrays (it is part of every key).
-LATENT_ENCODER_VERSION = 2  # 2: captions.json
+LATENT_ENCODER_VERSION = 3  # 2: captions.json; 3: the manifest counts "media"
 ARRAYS = ("latents", "prompt_embeds", "pooled_prompt_embeds", "geometry", "rows")
 
-ImageEncoder = Callable[[torch.Tensor], torch.Tensor]
+# pixels [B, ...] in [-1, 1] -> scaled latents (`FrozenParts.encode_images`).
+MediaEncoder = Callable[[torch.Tensor], torch.Tensor]
+# captions -> `prompt_embeds` (and `pooled_prompt_embeds`) (`FrozenParts.encode_prompts`).
 PromptEncoder = Callable[[Sequence[str]], dict[str, torch.Tensor]]
 
 
-def _files_digest(files: Sequence[Path]) -> str:
+class MediaRef(Protocol):
+    """One medium a source refers to: its bytes (digested, so each distinct one is encoded
+    once)."""
+
+    def read(self) -> bytes: ...
+
+
+class Prepared(Protocol):
+    """A medium made ready for the VAE: `pixels` (numpy, [-1, 1]) and `geometry`: original
+    height and width, crop top and left."""
+
+    pixels: np.ndarray
+    geometry: tuple[int, int, int, int]
+
+
+class MediaSource(Protocol):
+    """A checked data source: its `kind` ("captioned" or "pairs"), `path`, `items` (each with
+    a `caption` and the `row` it came from) and `report` (kept and dropped rows)."""
+
+    kind: str
+    path: str
+    items: Sequence[Any]
+    report: DataReport
+
+
+def files_digest(files: Sequence[Path]) -> str:
     """One digest over the files' paths, sizes and contents (xxh3-128 each), so the key stays
     small for a source of a million images."""
     digest = hashlib.sha256()
@@ -66,30 +93,8 @@ def _files_digest(files: Sequence[Path]) -> str:
     return digest.hexdigest()
 
 
-def latent_key_parts(source: ImageSource, *, resolution: int, encoder: str,
-                     columns: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """Everything the encoded arrays depend on (see the module docstring)."""
-    return {
-        "version": LATENT_ENCODER_VERSION,
-        "kind": source.kind,
-        "path": source.path,
-        "columns": dict(sorted((columns or {}).items())),
-        "data_files": _files_digest(source.data_files),
-        "image_files": _files_digest(source.image_files),
-        "resolution": resolution,
-        "crop": "center",
-        "encoder": encoder,
-    }
-
-
 def latent_cache_folder(root: Path, parts: dict[str, Any]) -> Path:
     return Path(root) / f"latents-{cache.key_hash(parts)}"
-
-
-def _refs(source: ImageSource) -> list[list[ImageRef]]:
-    if source.kind == "captioned":
-        return [[item.image] for item in source.items]
-    return [[item.chosen, item.rejected] for item in source.items]
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -124,15 +129,15 @@ class _ArrayWriter:
             del self.array
 
 
-def _unique_images(source: ImageSource) -> tuple[list[ImageRef], list[list[int]]]:
-    """Each distinct image once (by the digest of its bytes), and per row its images'
+def _unique_media(refs: Sequence[Sequence[MediaRef]]) -> tuple[list[MediaRef], list[list[int]]]:
+    """Each distinct medium once (by the digest of its bytes), and per row its media's
     indices into that list."""
     index: dict[str, int] = {}
-    unique: list[ImageRef] = []
+    unique: list[MediaRef] = []
     rows = []
-    for refs in _refs(source):
+    for refs_of_row in refs:
         row = []
-        for ref in refs:
+        for ref in refs_of_row:
             key = xxhash.xxh3_128_hexdigest(ref.read())
             if key not in index:
                 index[key] = len(unique)
@@ -142,10 +147,11 @@ def _unique_images(source: ImageSource) -> tuple[list[ImageRef], list[list[int]]
     return unique, rows
 
 
-def _encode(source: ImageSource, tmp: Path, *, resolution: int, encode_images: ImageEncoder,
+def _encode(source: MediaSource, tmp: Path, *, refs: Sequence[Sequence[MediaRef]],
+            prepare: Callable[[MediaRef], Prepared], encode_media: MediaEncoder,
             encode_prompts: PromptEncoder, batch_size: int,
             on_start: Callable[[int, int], None] | None) -> dict[str, Any]:  # fmt: skip
-    images, image_rows = _unique_images(source)
+    images, image_rows = _unique_media(refs)
     captions: dict[str, int] = {}
     for item in source.items:
         captions.setdefault(item.caption, len(captions))
@@ -162,13 +168,11 @@ def _encode(source: ImageSource, tmp: Path, *, resolution: int, encode_images: I
     latents = _ArrayWriter(tmp / "latents.npy", len(images))
     geometry = np.zeros((len(images), 4), dtype=np.int32)
     for start in range(0, len(images), batch_size):
-        cropped = [
-            center_crop(ref.read(), resolution) for ref in images[start : start + batch_size]
-        ]
-        pixels = torch.from_numpy(np.stack([c.pixels for c in cropped]))
-        latents.write(encode_images(pixels))
-        for k, c in enumerate(cropped):
-            geometry[start + k] = [*c.original_size, *c.crop_top_left]
+        ready = [prepare(ref) for ref in images[start : start + batch_size]]
+        pixels = torch.from_numpy(np.stack([r.pixels for r in ready]))
+        latents.write(encode_media(pixels))
+        for k, r in enumerate(ready):
+            geometry[start + k] = list(r.geometry)
     latents.close()
     np.save(tmp / "geometry.npy", geometry)
     writers: dict[str, _ArrayWriter] = {}
@@ -182,20 +186,23 @@ def _encode(source: ImageSource, tmp: Path, *, resolution: int, encode_images: I
     for writer in writers.values():
         writer.close()
     dtypes = {"latents": latents.dtype, **{n: w.dtype for n, w in writers.items()}}
-    return {"images": len(images), "captions": len(texts), "dtypes": dtypes}
+    return {"media": len(images), "captions": len(texts), "dtypes": dtypes}
 
 
 def ensure_latent_cache(
-    source: ImageSource, parts: dict[str, Any], *, root: Path, resolution: int,
-    encode_images: ImageEncoder, encode_prompts: PromptEncoder, batch_size: int = 16,
-    on_start: Callable[[int, int], None] | None = None,
+    source: MediaSource, parts: dict[str, Any], *, root: Path, resolution: int,
+    refs: Sequence[Sequence[MediaRef]], prepare: Callable[[MediaRef], Prepared],
+    encode_media: MediaEncoder, encode_prompts: PromptEncoder, unit: str = "images",
+    batch_size: int = 16, on_start: Callable[[int, int], None] | None = None,
 ) -> str:  # fmt: skip
-    """Make sure the latent cache entry of `source` exists and is complete, encoding it when it
-    is missing or damaged; returns the start-up summary's note. `encode_images(pixels)` takes
-    [B, 3, R, R] in [-1, 1] and returns scaled latents, `encode_prompts(captions)` returns
-    `prompt_embeds` (and `pooled_prompt_embeds`) (`FrozenParts.encode_images` /
-    `encode_prompts`); both run in batches of `batch_size`. `on_start(images, captions)` is
-    called just before the encoders run. Call on local rank 0 of each node only."""
+    """Make sure the latent cache entry of `source` (key `parts`) exists and is complete,
+    encoding it when it is missing or damaged; returns the start-up summary's note. `refs[i]`
+    are item i's media (one, or chosen and rejected), `prepare(ref)` makes one ready for the
+    VAE (the family's crop and resize), `encode_media(pixels)` returns scaled latents,
+    `encode_prompts(captions)` returns `prompt_embeds` (and `pooled_prompt_embeds`)
+    (`FrozenParts.encode_images` / `encode_prompts`); both run in batches of `batch_size`.
+    `on_start(media, captions)` is called just before the encoders run; `unit` names the
+    media in the note ("images"). Call on local rank 0 of each node only."""
     if not source.items:
         raise DataError(f"no usable rows in {source.path}:\n{source.report.summary()}")
     folder = latent_cache_folder(root, parts)
@@ -203,7 +210,7 @@ def ensure_latent_cache(
     def build(tmp: Path, work: Path) -> dict[str, Any]:
         start = time.perf_counter()
         encoded = _encode(
-            source, tmp, resolution=resolution, encode_images=encode_images,
+            source, tmp, refs=refs, prepare=prepare, encode_media=encode_media,
             encode_prompts=encode_prompts, batch_size=batch_size, on_start=on_start,
         )  # fmt: skip
         return {
@@ -215,12 +222,12 @@ def ensure_latent_cache(
     manifest, problem = cache.build_entry(folder, build)
     if problem is None:
         return (
-            f"cache hit {folder} ({manifest['images']} images, {manifest['captions']} captions "
+            f"cache hit {folder} ({manifest['media']} {unit}, {manifest['captions']} captions "
             f"encoded in {manifest['seconds']:.1f} s when built; no encoding now)"
         )
     rebuilt = "" if problem == "not built yet" else f"; rebuilt: {problem}"
     return (
-        f"encoded {manifest['images']} images and {manifest['captions']} captions in "
+        f"encoded {manifest['media']} {unit} and {manifest['captions']} captions in "
         f"{manifest['seconds']:.1f} s (cached at {folder}{rebuilt})"
     )
 
@@ -236,7 +243,7 @@ def _tensor(values: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 @dataclass
-class EncodedImages:
+class EncodedMedia:
     """A latent cache entry, memory-mapped: `len()` training rows (captioned images or
     preference pairs, in file order), `batch(indices)` their tensors, `note` and `report` for
     the start-up summary, `rows_from[i]` where row i came from in the source."""
@@ -262,7 +269,7 @@ class EncodedImages:
         """The caption texts, by caption index (`rows[:, 0]`)."""
         return json.loads((self.folder / "captions.json").read_text())
 
-    def _images(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
+    def _media(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
         order = np.argsort(ids, kind="stable")  # memory maps read fastest in file order
         back = np.empty_like(order)
         back[order] = np.arange(len(order))
@@ -281,17 +288,17 @@ class EncodedImages:
 
     def batch(self, indices: Sequence[int]) -> Any:
         """The tensors of rows `indices` (CPU): for captioned images one batch dict
-        (`latents`, `prompt_embeds`, `pooled_prompt_embeds` where the family has them,
+        (`latents`, `prompt_embeds`, `pooled_prompt_embeds` where the kind has them,
         `add_time_ids`: original height and width, crop top and left, target height and
         width), for pairs a (chosen, rejected) pair of such dicts with the same captions."""
         picked = self.rows[np.asarray(indices, dtype=np.int64)]
         text = self._captions(picked[:, 0])
         if self.kind == "captioned":
-            return {**self._images(picked[:, 1]), **text}
-        return {**self._images(picked[:, 1]), **text}, {**self._images(picked[:, 2]), **text}
+            return {**self._media(picked[:, 1]), **text}
+        return {**self._media(picked[:, 1]), **text}, {**self._media(picked[:, 2]), **text}
 
 
-def open_latent_cache(folder: Path, *, note: str = "") -> EncodedImages:
+def open_latent_cache(folder: Path, *, note: str = "") -> EncodedMedia:
     """The complete latent cache entry in `folder` (`ensure_latent_cache` ran), memory-mapped."""
     manifest = json.loads((Path(folder) / cache.MANIFEST).read_text())
     dtypes = manifest["dtypes"]
@@ -301,7 +308,7 @@ def open_latent_cache(folder: Path, *, note: str = "") -> EncodedImages:
             f"{folder / 'rows.npy'} holds {len(rows)} rows, its manifest says "
             f"{manifest['row_count']}: delete {folder} and start again"
         )
-    return EncodedImages(
+    return EncodedMedia(
         folder=Path(folder), kind=manifest["kind"], resolution=manifest["resolution"], rows=rows,
         latents=_load(folder, "latents"),
         geometry=np.load(folder / "geometry.npy", mmap_mode="r"),
@@ -315,34 +322,34 @@ def open_latent_cache(folder: Path, *, note: str = "") -> EncodedImages:
 class LatentRow:
     """One row of a split of a latent cache entry: its `position` in the split (the row index
     the noise draws are seeded by: `forward_diffusion.draw_seed`), the entry's row it reads
-    (`source`) in `images`, and the optimizer step that draws it (None: a held-out row, whose
+    (`source`) in `entry`, and the optimizer step that draws it (None: a held-out row, whose
     draws are the same at every evaluation)."""
 
     position: int
     source: int
-    images: EncodedImages = field(repr=False, compare=False)
+    entry: EncodedMedia = field(repr=False, compare=False)
     step: int | None = None
 
     def at(self, step: int) -> LatentRow:
         """This row as drawn by optimizer step `step`."""
-        return LatentRow(self.position, self.source, self.images, step)
+        return LatentRow(self.position, self.source, self.entry, step)
 
 
 def row_tensors(rows: Sequence[LatentRow]) -> Any:
-    """The CPU tensors of `rows` (of one latent cache entry; see `EncodedImages.batch`)."""
-    images = rows[0].images
-    if any(row.images is not images for row in rows):
+    """The CPU tensors of `rows` (of one latent cache entry; see `EncodedMedia.batch`)."""
+    entry = rows[0].entry
+    if any(row.entry is not entry for row in rows):
         raise ValueError("rows of different latent cache entries in one batch")
-    return images.batch([row.source for row in rows])
+    return entry.batch([row.source for row in rows])
 
 
 class LatentRows(Sequence[LatentRow]):
-    """A split of a latent cache entry: rows `indices` of `images` (the held-out split, the
+    """A split of a latent cache entry: rows `indices` of `entry` (the held-out split, the
     training rest, or all of an entry), read as `LatentRow`s (`row_tensors` gives a batch of
     them). A view: nothing is copied."""
 
-    def __init__(self, images: EncodedImages, indices: Sequence[int]) -> None:
-        self.images = images
+    def __init__(self, entry: EncodedMedia, indices: Sequence[int]) -> None:
+        self.entry = entry
         self.indices = np.asarray(indices, dtype=np.int64)
 
     def __len__(self) -> int:
@@ -352,4 +359,4 @@ class LatentRows(Sequence[LatentRow]):
         if not -len(self) <= index < len(self):
             raise IndexError(f"row {index} of {len(self)}")
         index %= len(self)
-        return LatentRow(index, int(self.indices[index]), self.images)
+        return LatentRow(index, int(self.indices[index]), self.entry)

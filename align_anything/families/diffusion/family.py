@@ -1,28 +1,31 @@
-"""Text-to-image pipelines as a model family (`TEXT_TO_IMAGE`, see `training.family`), and what the
-text-to-image tasks are given besides: sample grids and the held-out image check.
+"""What every diffusers-pipeline family shares, as one `ModelFamily` (`pipeline_family`): the
+set-up and export steps of a pipeline folder, whatever it makes, and the samples and held-out
+checks the pipeline tasks draw. What differs between media (an image, a video, a sound) is a
+`Medium`, which each family's room provides (`families/text_to_image/media.py`'s `IMAGES`) and
+`families/pipelines.py` lists; a folder's kind says its medium (`kinds.MEDIUM`).
 
-Set-up of a diffusers pipeline folder (`model_index.json`), step by step as `setup.setup`
-calls them:
+Set-up of a pipeline folder (`model_index.json`), step by step as `setup.setup` calls them:
 
-- **model side** (`load_pipeline_side`): the folder's family, parts and training target from
-  its JSON files; the LoRA targets checked on a meta-device denoiser; the VAE, text encoders
-  and tokenizers loaded frozen, whole on every rank's device in the run's precision (under
-  ZeRO-3 too: they stay outside the trained engine's partition);
-- **data** (`build_image_data`): the source (an image folder, a jsonl/parquet file, Pick-a-Pic
-  pairs, a built-in set) read and every row checked before any compute, then encoded once into
-  the latent cache (`data.latents`: VAE latents and text embeddings, keyed by the files, the
-  resolution and the encoders' identity): local rank 0 of each node builds it while the other
-  ranks wait, a data error stops every rank with one message, and every rank memory-maps it;
+- **model side** (`load_pipeline_side`): the folder's kind, parts and training target from its
+  JSON files, its medium; the LoRA targets checked on a meta-device denoiser; the VAE, text
+  encoders and tokenizers loaded frozen, whole on every rank's device in the run's precision
+  (under ZeRO-3 too: they stay outside the trained engine's partition);
+- **data** (`build_data`): the source read and every row checked by the medium before any
+  compute, then encoded once into the latent cache (`latents`: VAE latents and text
+  embeddings, keyed by the files, the resolution and the encoders' identity): local rank 0 of
+  each node builds it while the other ranks wait, a data error stops every rank with one
+  message, and every rank memory-maps it;
 - **policy** (`build_denoiser`): the denoiser alone (ZeRO-3: built partitioned), with LoRA
   adapters when asked, in its engine;
-- **export** (`save_pipeline_final`): `final/` as a diffusers folder `DiffusionPipeline.
-  from_pretrained` loads (a LoRA run: the adapter in the layout `load_lora_weights` reads,
-  with `final-merged/` the merged pipeline), `final-ema/` likewise with the weight average.
+- **export** (`save_final`): `final/` as a diffusers folder `DiffusionPipeline.from_pretrained`
+  loads (a LoRA run: the adapter in the layout `load_lora_weights` reads, with
+  `final-merged/` the merged pipeline), `final-ema/` likewise with the weight average.
 
-`Samples` draws images for fixed prompts and seeds from the current denoiser, each rank a
+`Samples` draws outputs for fixed prompts and seeds from the current denoiser, each rank a
 share of them (under ZeRO-3 the denoiser is gathered once for the whole sampling loop), and
-writes the grid to `output_dir/samples/` and to TensorBoard or wandb. `image_check` is the
-held-out check of built-in data: a rule on the pixels of images drawn for held-out captions.
+writes them with the medium's writer to `output_dir/samples/` and to TensorBoard or wandb.
+`OutputCheck` is the held-out check of built-in data: a rule on what is drawn for held-out
+captions (the shapes world's colour rule for images).
 """
 
 from __future__ import annotations
@@ -41,30 +44,86 @@ from align_anything.backend.params import count_parameters
 from align_anything.config import RunConfig
 from align_anything.data import cache
 from align_anything.data.formats import split_records
-from align_anything.errors import ConfigError, UserError
+from align_anything.errors import ConfigError, ModelError, UserError
 from align_anything.families import diffusion
 from align_anything.families.diffusion import memory
 from align_anything.families.diffusion.adapters import adapter_summary, has_adapters
-from align_anything.families.diffusion.parts import PipelineSide
-from align_anything.families.diffusion.sizes import denoiser_sizes
-from align_anything.families.text_to_image.images import ImageSource, read_image_source
-from align_anything.families.text_to_image.latents import (
+from align_anything.families.diffusion.latents import (
     LatentRows,
+    MediaRef,
+    Prepared,
     ensure_latent_cache,
     latent_cache_folder,
-    latent_key_parts,
     open_latent_cache,
 )
+from align_anything.families.diffusion.parts import FrozenParts
+from align_anything.families.diffusion.sizes import denoiser_sizes
 from align_anything.training import checkpoints, deepspeed_plan, report
 from align_anything.training.family import ModelFacts, ModelFamily, training_engine
 from align_anything.training.memory_plan import local_devices
 from align_anything.training.run import Data, Run, Schedule
 
 SAMPLES_DIR = "samples"
-DEFAULT_SAMPLE_PROMPTS = 4  # held-out captions in the grid when logging.sample_prompts is null
-# Held-out captions kept for the sample grid (the data may hold many more).
+DEFAULT_SAMPLE_PROMPTS = 4  # held-out captions drawn when logging.sample_prompts is null
+# Held-out captions kept for the samples (the data may hold many more).
 KEPT_CAPTIONS = 256
-ENCODE_BATCH = 32  # images (and captions) per pass through the VAE (text encoders) when caching
+ENCODE_BATCH = 32  # media (and captions) per pass through the VAE (text encoders) when caching
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """A held-out check on generated outputs: `captions` with their `seeds`, and `rule`
+    (outputs, captions) -> the share that passes."""
+
+    name: str
+    captions: list[str]
+    seeds: list[int]
+    rule: Callable[[Sequence[np.ndarray], Sequence[str]], float]
+
+
+@dataclass(frozen=True)
+class Medium:
+    """What a pipeline family's room says about its medium, for the shared steps here:
+
+    - `name` ("image") and `unit`, the summary's word for several ("images");
+    - `read_source(path, kind, columns)`: the data source ("captioned" media or preference
+      "pairs"), every row checked before any compute (a `latents.MediaSource`);
+    - `key_parts(source, resolution, encoder, columns)`: everything its latents depend on;
+    - `refs(source)`: per row, its media (one, or chosen and rejected);
+    - `prepare(resolution)`: a function that makes one medium ready for the VAE (crop, resize);
+    - `sample(parts, prompts, seeds, resolution, steps, guidance_scale, gathered)`: outputs of
+      the pipeline class over the run's modules, one numpy array each;
+    - `save_samples(rows, path, row_labels, column_labels)`: the samples as files (an image
+      grid, ...), returning the still image to log;
+    - `check(data_path)`: the held-out check of built-in data (None for other data);
+    - `describe(resolution, latent_shape)`: the start-up summary's line on shapes.
+    """
+
+    name: str
+    unit: str
+    read_source: Callable[[str, str, dict[str, str]], Any]
+    key_parts: Callable[[Any, int, str, dict[str, str]], dict[str, Any]]
+    refs: Callable[[Any], list[list[MediaRef]]]
+    prepare: Callable[[int], Callable[[MediaRef], Prepared]]
+    sample: Callable[..., list[np.ndarray]]
+    save_samples: Callable[[list[list[np.ndarray]], Path, list[str], list[str]], Path]
+    check: Callable[[Any], OutputCheck | None]
+    describe: Callable[[int, tuple[int, ...]], str]
+
+
+@dataclass(frozen=True)
+class PipelineSide:
+    """A pipeline as far as set-up needs it before the denoiser loads: `name` as the user gave
+    it, `path` it resolved to, `info` (kind, parts, target, from its JSON files), its `medium`,
+    the frozen `parts` (VAE, text encoders, tokenizers, schedulers: whole on this rank's device
+    in the run's precision, outside any engine) and the training `resolution`."""
+
+    name: str
+    path: str
+    info: diffusion.PipelineInfo
+    medium: Medium
+    parts: FrozenParts
+    resolution: int
 
 
 # ---------------------------------------------------------------------------- the model side
@@ -76,10 +135,10 @@ def resolution_of(cfg: RunConfig, info: diffusion.PipelineInfo) -> int:
     `ConfigError` naming the nearest sizes that work."""
     resolution = cfg.data.resolution or info.default_resolution
     config = info.denoiser_config
-    if info.family in ("sd", "sdxl"):
+    if info.kind in ("sd", "sdxl"):
         step = 2 ** (len(config.get("block_out_channels") or [0]) - 1)
     else:  # SD3 patches, Flux's 2x2 packing
-        step = int(config.get("patch_size") or 1) * (2 if info.family == "flux" else 1)
+        step = int(config.get("patch_size") or 1) * (2 if info.kind == "flux" else 1)
     multiple = info.vae_scale_factor * step
     if resolution % multiple:
         lower, upper = resolution // multiple * multiple, (resolution // multiple + 1) * multiple
@@ -114,19 +173,28 @@ def check_model_settings(cfg: RunConfig, info: diffusion.PipelineInfo) -> None:
         denoiser_sizes(info, adapters=model.lora.adapters())  # raises for unknown targets
 
 
-def load_pipeline_side(cfg: RunConfig, dist: comm.DistInfo, spec: Any) -> PipelineSide:
+def load_pipeline_side(
+    cfg: RunConfig, dist: comm.DistInfo, media: dict[str, Medium]
+) -> PipelineSide:
     """The pipeline's parts from its JSON files (a folder that is not a pipeline, or a
-    language model, is one `ModelError` naming the fix), the settings checked, and the frozen
-    VAE and text encoders loaded whole on this rank's device."""
+    language model, is one `ModelError` naming the fix), its medium, the settings checked, and
+    the frozen VAE and text encoders loaded whole on this rank's device."""
     info = diffusion.inspect_pipeline(cfg.model.name_or_path)
+    if info.medium not in media:
+        raise ModelError(
+            f"model.name_or_path={cfg.model.name_or_path!r} is a {info.kind} pipeline, which "
+            f"makes {info.medium}s; no pipeline family here trains those (media: "
+            f"{', '.join(media)})"
+        )
     check_model_settings(cfg, info)
     resolution = resolution_of(cfg, info)
     precision = deepspeed_plan.run_precision(
         cfg, device_type=dist.device.type, bf16_supported=comm.bf16_supported()
     )
-    dtype = dsc.torch_dtype(precision)
-    parts = diffusion.load_frozen_parts(info, dtype=dtype, device=dist.device)
-    return PipelineSide(cfg.model.name_or_path, str(info.path), info, parts, resolution)
+    parts = diffusion.load_frozen_parts(info, dtype=dsc.torch_dtype(precision), device=dist.device)
+    return PipelineSide(
+        cfg.model.name_or_path, str(info.path), info, media[info.medium], parts, resolution
+    )
 
 
 # ---------------------------------------------------------------------------- data
@@ -135,7 +203,7 @@ def load_pipeline_side(cfg: RunConfig, dist: comm.DistInfo, spec: Any) -> Pipeli
 @dataclass(frozen=True)
 class _Prepared:
     """What local rank 0 hands every rank after reading and encoding: each split's cache
-    folder and summary note, the sources' reports, held-out captions, the data fingerprint."""
+    folder and summary note, the sources' reports, the data fingerprint."""
 
     train_folder: Path
     eval_folder: Path | None
@@ -144,19 +212,19 @@ class _Prepared:
     fingerprint: str
 
 
-def _read(path: str, kind: str, columns: dict[str, str], what: str) -> ImageSource:
+def _read(medium: Medium, path: str, kind: str, columns: dict[str, str], what: str) -> Any:
     try:
-        return read_image_source(path, kind, columns=columns)
+        return medium.read_source(path, kind, columns)
     except UserError as err:
         raise type(err)(f"{what}={path!r}: {err}") from None
 
 
-def _prepare_images(
+def _prepare_media(
     cfg: RunConfig, model: PipelineSide, kind: str, *, root: Path, rank: int
 ) -> _Prepared:
     """Read and check each source, then make sure its latent cache entry exists (encoding
     what is missing). Runs on local rank 0 of each node."""
-    data, parts = cfg.data, model.parts
+    data, parts, medium = cfg.data, model.parts, model.medium
     encoder = diffusion.encoder_identity(
         model.info, max_sequence_length=parts.max_sequence_length, dtype=parts.vae.dtype
     )
@@ -166,18 +234,18 @@ def _prepare_images(
         sources.append(("data.eval_path", data.eval_path))
     folders, notes, reports, keys = [], [], [], []
     for what, path in sources:
-        source = _read(str(path), kind, columns, what)
+        source = _read(medium, str(path), kind, columns, what)
 
-        def started(images: int, captions: int, path: str = str(path)) -> None:
-            print(f"data: rank {rank} encoding {images} images and {captions} captions of "
-                  f"{path} through the VAE and text encoders", flush=True)  # fmt: skip
+        def started(media: int, captions: int, path: str = str(path)) -> None:
+            print(f"data: rank {rank} encoding {media} {medium.unit} and {captions} captions "
+                  f"of {path} through the VAE and text encoders", flush=True)  # fmt: skip
 
-        key = latent_key_parts(source, resolution=model.resolution, encoder=encoder,
-                               columns=columns)  # fmt: skip
+        key = medium.key_parts(source, model.resolution, encoder, columns)
         note = ensure_latent_cache(
-            source, key, root=root, resolution=model.resolution,
-            encode_images=parts.encode_images, encode_prompts=parts.encode_prompts,
-            batch_size=ENCODE_BATCH, on_start=started,
+            source, key, root=root, resolution=model.resolution, refs=medium.refs(source),
+            prepare=medium.prepare(model.resolution), encode_media=parts.encode_images,
+            encode_prompts=parts.encode_prompts, unit=medium.unit, batch_size=ENCODE_BATCH,
+            on_start=started,
         )  # fmt: skip
         folders.append(latent_cache_folder(root, key))
         notes.append(f"{what}: {note}")
@@ -187,12 +255,12 @@ def _prepare_images(
     split = {"eval_fraction": data.eval_fraction if held_out_here else None,
              "seed": cfg.train.seed if held_out_here else None,
              "max_train": data.max_train_samples}  # fmt: skip
-    fingerprint = cache._hash({"train": keys[0], "split": split})[:16]
+    fingerprint = cache.key_hash({"train": keys[0], "split": split})[:16]
     eval_folder = folders[1] if len(folders) > 1 else None
     return _Prepared(folders[0], eval_folder, notes, reports, fingerprint)
 
 
-def build_image_data(
+def build_data(
     cfg: RunConfig, dist: comm.DistInfo, model: PipelineSide, spec: Any
 ) -> tuple[Data, list[str]]:
     """The training and held-out rows of the latent cache (see the module docstring); without
@@ -203,58 +271,56 @@ def build_image_data(
     if dist.local_rank == 0:
 
         def work() -> _Prepared:
-            return _prepare_images(cfg, model, spec.record_kind, root=root, rank=dist.rank)
+            return _prepare_media(cfg, model, spec.record_kind, root=root, rank=dist.rank)
 
         prepared = comm.fail_together(work, what="data preparation")
     else:
         comm.fail_together(None, what="data preparation")
     # Every node's local rank 0 built the same entries; global rank 0's description is used.
     prepared = comm.broadcast_object(prepared)
-    train_images = open_latent_cache(prepared.train_folder)
+    train_entry = open_latent_cache(prepared.train_folder)
     data = cfg.data
     if prepared.eval_folder is not None:
-        eval_images = open_latent_cache(prepared.eval_folder)
-        train_ids, eval_ids = list(range(len(train_images))), list(range(len(eval_images)))
+        eval_entry = open_latent_cache(prepared.eval_folder)
+        train_ids, eval_ids = list(range(len(train_entry))), list(range(len(eval_entry)))
     else:
-        eval_images = train_images
+        eval_entry = train_entry
         train_ids, eval_ids = split_records(
-            list(range(len(train_images))), eval_fraction=data.eval_fraction, seed=cfg.train.seed
+            list(range(len(train_entry))), eval_fraction=data.eval_fraction, seed=cfg.train.seed
         )
     train_ids = train_ids[: data.max_train_samples]
     eval_ids = eval_ids[: data.max_eval_samples]
     if not train_ids:
         raise UserError(f"no usable training rows in {data.path}")
-    train, held_out = LatentRows(train_images, train_ids), LatentRows(eval_images, eval_ids)
+    train, held_out = LatentRows(train_entry, train_ids), LatentRows(eval_entry, eval_ids)
     fingerprints = checkpoints.fingerprints(
         str(data.path), tokenizer=diffusion.encoder_identity(
             model.info, max_sequence_length=model.parts.max_sequence_length,
             dtype=model.parts.vae.dtype,
         ), data=prepared.fingerprint,
     )  # fmt: skip
-    captions = held_out_captions(eval_images, eval_ids[:KEPT_CAPTIONS])
-    unit = "pairs" if spec.record_kind == "pairs" else "images"
+    captions = held_out_captions(eval_entry, eval_ids[:KEPT_CAPTIONS])
+    unit = "pairs" if spec.record_kind == "pairs" else model.medium.unit
     result = Data(
         train=train, eval=held_out, eval_records=captions, reports=prepared.reports,
         fingerprints=fingerprints, lengths=[1] * len(train), train_unit=unit,
     )  # fmt: skip
-    shape = train_images.latents.shape[1:]
     lines = [
         f"  pipeline        {model.info.describe()}",
-        f"  resolution      {model.resolution} px, centre-cropped; latents "
-        f"{'x'.join(str(d) for d in shape)} (data.resolution)",
+        f"  resolution      {model.medium.describe(model.resolution, tuple(train_entry.latents.shape[1:]))}",
         *(f"  data cache      {note}" for note in prepared.notes),
     ]
     if prepared.eval_folder is None:
         lines.append(
-            f"  held out        {len(eval_ids)} of {len(train_images)} rows of data.path "
+            f"  held out        {len(eval_ids)} of {len(train_entry)} rows of data.path "
             f"(data.eval_fraction={data.eval_fraction})"
         )
     return result, lines
 
 
-def held_out_captions(images: Any, ids: Sequence[int]) -> list[str]:
+def held_out_captions(entry: Any, ids: Sequence[int]) -> list[str]:
     """The captions of held-out rows `ids` of a latent cache entry, as its source wrote them."""
-    return [images.captions[int(images.rows[i, 0])] for i in ids]
+    return [entry.captions[int(entry.rows[i, 0])] for i in ids]
 
 
 # ---------------------------------------------------------------------------- the policy
@@ -273,7 +339,7 @@ def build_denoiser(
     lines = []
     adapters = cfg.model.lora.adapters()
     if adapters:
-        diffusion.add_denoiser_adapters(denoiser, family=info.family, **adapters)
+        diffusion.add_denoiser_adapters(denoiser, kind=info.kind, **adapters)
         lines.append(f"  lora            {adapter_summary(denoiser)}")
     if cfg.speed.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()
@@ -292,7 +358,7 @@ def _frozen_parts(model: PipelineSide) -> dict[str, int]:
 def describe_pipeline(run: Run) -> ModelFacts:
     """The start-up summary's model facts: the denoiser's trained and frozen parameters and
     the frozen parts, and the planner's estimate for this run's preset."""
-    model: PipelineSide = run.model  # type: ignore[assignment]
+    model: PipelineSide = run.model
     module = run.policy.module
     trainable, frozen = count_parameters(module)
     outside = _frozen_parts(model)
@@ -310,14 +376,14 @@ def describe_pipeline(run: Run) -> ModelFacts:
         precision=ds_plan.precision, gpus_per_node=local_devices(world),
     )  # fmt: skip
     return ModelFacts(
-        model_type=f"{model.info.family} pipeline, {model.info.denoiser_class}",
+        model_type=f"{model.info.kind} pipeline, {model.info.denoiser_class}",
         trainable=trainable, frozen=frozen + sum(outside.values()),
         parts=", ".join(shown) + " (the frozen parts whole on every rank, outside the engine)",
         attention=None, memory_plan=report.describe_estimate(estimate),
     )  # fmt: skip
 
 
-def save_pipeline_final(run: Run) -> None:
+def save_final(run: Run) -> None:
     """From the denoiser's gathered weights (collective; rank 0 writes): `final/` (a diffusers
     pipeline folder; a LoRA run's adapter, which `load_lora_weights` reads, and with
     `model.lora.save_merged` also `final-merged/`) and, with EMA, `final-ema/` the same from
@@ -326,7 +392,7 @@ def save_pipeline_final(run: Run) -> None:
     if not run.dist.is_main:
         return
     assert state is not None
-    model: PipelineSide = run.model  # type: ignore[assignment]
+    model: PipelineSide = run.model
     out, configs = run.output.path, run.configs()
     lora = run.cfg.model.lora
     states = {"final": state}
@@ -335,7 +401,7 @@ def save_pipeline_final(run: Run) -> None:
     for name, weights in states.items():
         if lora.enabled:
             diffusion.save_denoiser_adapter(
-                run.policy.module, weights, out / name, family=model.info.family,
+                run.policy.module, weights, out / name, kind=model.info.kind,
                 denoiser_part=model.info.denoiser_part, configs=configs,
             )  # fmt: skip
         else:
@@ -346,31 +412,36 @@ def save_pipeline_final(run: Run) -> None:
         diffusion.save_pipeline(model.parts, denoiser, out / "final-merged", configs=configs)
 
 
-TEXT_TO_IMAGE = ModelFamily(
-    name="text-to-image pipeline", load_model_side=load_pipeline_side,
-    build_data=build_image_data,
-    bucket_width=lambda model: diffusion.bucket_width(model.info),
-    build_policy=build_denoiser, describe=describe_pipeline, save_final=save_pipeline_final,
-    estimate_memory=memory.estimate_memory,
-)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------- sampling
-
-
-def draw_images(
-    parts: diffusion.FrozenParts, policy: Engine, prompts: Sequence[str], seeds: Sequence[int],
-    *, resolution: int, steps: int, guidance_scale: float, rank: int, world: int,
-) -> list[np.ndarray]:  # fmt: skip
-    """One RGB array per (prompt, seed), each rank drawing a share (under ZeRO-3 the denoiser
-    is gathered once for the whole loop), every rank getting all of them. An image depends
-    only on its prompt, its seed and the weights (`diffusion.sample_images`). Collective."""
-    mine = list(range(rank, len(prompts), world))  # every world-th image
-    images = diffusion.sample_images(
-        parts, [prompts[i] for i in mine], [seeds[i] for i in mine], resolution=resolution,
-        steps=steps, guidance_scale=guidance_scale, gathered=policy.gathered_for_generation,
+def pipeline_family(name: str, media: dict[str, Medium]) -> ModelFamily:
+    """The `ModelFamily` of diffusers pipelines whose media are `media` (by `Medium.name`):
+    the shared steps above, the model side picking each folder's medium."""
+    return ModelFamily(
+        name=name,
+        load_model_side=lambda cfg, dist, spec: load_pipeline_side(cfg, dist, media),
+        build_data=build_data,
+        bucket_width=lambda model: diffusion.bucket_width(model.info),
+        build_policy=build_denoiser, describe=describe_pipeline, save_final=save_final,
+        estimate_memory=memory.estimate_memory,
     )  # fmt: skip
-    drawn = dict(zip(mine, (np.asarray(image.convert("RGB")) for image in images), strict=True))
+
+
+# ---------------------------------------------------------------------------- samples
+
+
+def draw(
+    model: PipelineSide, policy: Engine, prompts: Sequence[str], seeds: Sequence[int], *,
+    steps: int, guidance_scale: float, rank: int, world: int,
+) -> list[np.ndarray]:  # fmt: skip
+    """One output per (prompt, seed) as the medium samples it, each rank drawing a share
+    (under ZeRO-3 the denoiser is gathered once for the whole loop), every rank getting all of
+    them. An output depends only on its prompt, its seed and the weights. Collective."""
+    mine = list(range(rank, len(prompts), world))  # every world-th output
+    outputs = model.medium.sample(
+        model.parts, [prompts[i] for i in mine], [seeds[i] for i in mine],
+        resolution=model.resolution, steps=steps, guidance_scale=guidance_scale,
+        gathered=policy.gathered_for_generation,
+    )  # fmt: skip
+    drawn = dict(zip(mine, outputs, strict=True))
     merged: dict[int, np.ndarray] = {}
     for shard in comm.all_gather_objects(drawn):
         merged.update(shard)
@@ -379,9 +450,9 @@ def draw_images(
 
 @dataclass
 class Samples:
-    """The sample grid: images for fixed `prompts` (rows) and `seeds` (columns) from the
-    current denoiser, before training, after it and every `every` steps, written to
-    `output_dir/samples/step-N.png` and to the metrics backends (rank 0)."""
+    """Samples for fixed `prompts` (rows) and `seeds` (columns) from the current denoiser,
+    before training, after it and every `every` steps, written by the medium to
+    `output_dir/samples/step-N.*` and to the metrics backends (rank 0)."""
 
     run: Run
     prompts: list[str]
@@ -391,17 +462,16 @@ class Samples:
     every: int
 
     def draw(self, label: str) -> Path | None:
-        """Draw and save the grid of the current weights (`label`: "before", "after", "step
-        N"). Collective."""
+        """Draw and save the samples of the current weights (`label`: "before", "after",
+        "step N"). Collective."""
         if not self.prompts:
             return None
         run = self.run
-        model: PipelineSide = run.model  # type: ignore[assignment]
+        model: PipelineSide = run.model
         pairs = [(p, s) for p in self.prompts for s in self.seeds]
-        images = draw_images(
-            model.parts, run.policy, [p for p, _ in pairs], [s for _, s in pairs],
-            resolution=model.resolution, steps=self.steps, guidance_scale=self.guidance_scale,
-            rank=run.dist.rank, world=run.dist.world_size,
+        outputs = draw(
+            model, run.policy, [p for p, _ in pairs], [s for _, s in pairs], steps=self.steps,
+            guidance_scale=self.guidance_scale, rank=run.dist.rank, world=run.dist.world_size,
         )  # fmt: skip
         if not run.dist.is_main:
             return None
@@ -409,19 +479,19 @@ class Samples:
 
         step = run.state.step
         columns = len(self.seeds)
-        rows = [[Image.fromarray(images[r * columns + c]) for c in range(columns)]
-                for r in range(len(self.prompts))]  # fmt: skip
-        path = diffusion.save_grid(
-            rows, run.output.path / SAMPLES_DIR / f"step-{step:06d}.png",
-            row_labels=self.prompts, column_labels=[f"seed {s}" for s in self.seeds],
+        rows = [outputs[r * columns : (r + 1) * columns] for r in range(len(self.prompts))]
+        path = model.medium.save_samples(
+            rows, run.output.path / SAMPLES_DIR / f"step-{step:06d}", self.prompts,
+            [f"seed {s}" for s in self.seeds],
         )  # fmt: skip
         if run.logger is not None:
-            with Image.open(path) as grid:
-                run.logger.log_image(step, "samples", grid.convert("RGB"), caption=label)
+            with Image.open(path) as still:
+                run.logger.log_image(step, "samples", still.convert("RGB"), caption=label)
         return path
 
     def after_step(self, step: int) -> None:
-        """The grid every `every` steps (the last step's is the "after" grid). Collective."""
+        """The samples every `every` steps (the last step's are the "after" ones).
+        Collective."""
         if self.every and step % self.every == 0 and step != self.run.schedule.total_steps:
             self.draw(f"step {step}")
 
@@ -435,8 +505,8 @@ class Samples:
 
 
 def build_samples(run: Run, section: Any) -> Samples:
-    """The run's sample grid from `logging.sample_prompts` (null: the first held-out
-    captions) and `logging.sample_seeds`, drawn with the task section's sampler settings."""
+    """The run's samples from `logging.sample_prompts` (null: the first held-out captions)
+    and `logging.sample_seeds`, drawn with the task section's sampler settings."""
     logging = run.cfg.logging
     prompts = logging.sample_prompts
     if prompts is None:
@@ -448,46 +518,22 @@ def build_samples(run: Run, section: Any) -> Samples:
     )  # fmt: skip
 
 
-# ---------------------------------------------------------------------------- the image check
+def output_check(run: Run) -> OutputCheck | None:
+    """The held-out check of the run's data (built-in data only), as its medium defines it."""
+    data = run.cfg.data
+    model: PipelineSide = run.model
+    return model.medium.check(data.eval_path or data.path)
 
 
-@dataclass(frozen=True)
-class ImageCheck:
-    """A held-out check on generated images: `captions` with their `seeds`, and `rule`
-    (images, captions) -> the share that passes."""
-
-    name: str
-    captions: list[str]
-    seeds: list[int]
-    rule: Callable[[Sequence[np.ndarray], Sequence[str]], float]
-
-
-def image_check(data_path: Any) -> ImageCheck | None:
-    """The image check of built-in data (the shapes sets: the dominant colour of each image
-    drawn for a held-out caption is the colour it names), or None for other data."""
-    from align_anything.families.text_to_image import shapes
-
-    if not isinstance(data_path, str) or data_path not in shapes.SHAPE_DATASETS:
-        return None
-    from align_anything.data.builtin import builtin_path
-
-    rows = shapes.read_parquet(builtin_path("t2i-shapes-eval"))
-    return ImageCheck(
-        name="colour", captions=[r["text"] for r in rows], seeds=[int(r["seed"]) for r in rows],
-        rule=shapes.colour_match_rate,
-    )  # fmt: skip
-
-
-def run_image_check(run: Run, check: ImageCheck | None, *, samples: int, section: Any) -> dict:
-    """`eval/image_check`: the share of images for the first `samples` held-out captions that
-    pass the check; nothing without a check or with `samples` 0. Collective."""
+def run_check(run: Run, check: OutputCheck | None, *, samples: int, section: Any) -> dict:
+    """`eval/<medium>_check`: the share of outputs for the first `samples` held-out captions
+    that pass the check; nothing without a check or with `samples` 0. Collective."""
     if check is None or not samples:
         return {}
-    model: PipelineSide = run.model  # type: ignore[assignment]
+    model: PipelineSide = run.model
     captions, seeds = check.captions[:samples], check.seeds[:samples]
-    images = draw_images(
-        model.parts, run.policy, captions, seeds, resolution=model.resolution,
-        steps=section.sample_steps, guidance_scale=section.guidance_scale, rank=run.dist.rank,
-        world=run.dist.world_size,
+    outputs = draw(
+        model, run.policy, captions, seeds, steps=section.sample_steps,
+        guidance_scale=section.guidance_scale, rank=run.dist.rank, world=run.dist.world_size,
     )  # fmt: skip
-    return {"eval/image_check": float(check.rule(images, captions))}
+    return {f"eval/{model.medium.name}_check": float(check.rule(outputs, captions))}

@@ -1,0 +1,14 @@
+"""The diffusers-pipeline families as one `ModelFamily` for the pipeline tasks
+(`diffusion_sft`, `diffusion_dpo`): the shared steps (`families.diffusion.family`) with every
+medium a family's room provides. A pipeline folder's kind says its medium
+(`families.diffusion.kinds.MEDIUM`); adding a medium is a room and a line here."""
+
+from __future__ import annotations
+
+from align_anything.families.diffusion.family import Medium, pipeline_family
+from align_anything.families.text_to_image.media import IMAGES
+
+# Medium name -> what reads, draws and checks it.
+MEDIA: dict[str, Medium] = {"image": IMAGES}
+
+PIPELINES = pipeline_family("diffusion pipeline", MEDIA)
