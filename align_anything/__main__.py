@@ -37,7 +37,7 @@ COMMANDS = {
     ),
     "docs": (
         "align_anything.tools.docs",
-        "regenerate or check the README's configuration reference",
+        "regenerate or check the configuration reference (docs/configuration.md)",
     ),
     "data": ("align_anything.data.synthetic", "write a small synthetic image/audio dataset"),
 }

@@ -9,7 +9,7 @@ Prints, for the base model (fp32, CPU): the greedy exact-answer rate on the 64 h
 (and per question kind), the mean `arith_format` reward, and for sampled completions
 (temperature 1.0, top_p 1.0, G per prompt) the exact rate and the share of groups whose reward
 has a nonzero spread — the groups GRPO and RLOO can learn from. Not a test: sampling and speed
-depend on the machine. Figures: README.md (the RL main job) and builtin.PROMPT_HINT.
+depend on the machine. Figures: docs/tasks/grpo.md (the RL main job) and builtin.PROMPT_HINT.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Train the built-in text-to-image model `tiny-t2i-shapes` from scratch and write its folder.
 
-    python scripts/build_builtin_t2i.py                  # -> align_anything/models/builtin/tiny-t2i-shapes
+    python scripts/build_builtin_t2i.py                  # -> align_anything/families/text_to_image/builtin/tiny-t2i-shapes
     python scripts/build_builtin_t2i.py --out /tmp/t2i   # anywhere else
 
 Plain PyTorch + diffusers, seeded, CPU, fp32. Three stages on freshly drawn shape pictures
-(`data/shapes.py`'s drawing code; every colour x shape combination, the held-out ones too: this
-is the model's pre-training, not the alignment data):
+(`families/text_to_image/shapes.py`'s drawing code; every colour x shape combination, the
+held-out ones too: this is the model's pre-training, not the alignment data):
 1. the VAE learns to reconstruct the pictures (MSE plus a small KL term); its latents' scale
    sets `scaling_factor`, as for Stable Diffusion;
 2. the pictures are encoded once (the posterior mean);

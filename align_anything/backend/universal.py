@@ -47,7 +47,7 @@ def load_deepspeed_file(path: Path) -> Any:
     `weights_only` loader, allowing only the three DeepSpeed classes its files hold besides
     tensors and containers (a loss-scaler record, the ZeRO stage enum, fragment addresses).
     DeepSpeed's own loaders (`load_checkpoint`, `ds_to_universal`, `zero_to_fp32`) still
-    unpickle fully; see the README on checkpoints from elsewhere."""
+    unpickle fully; see docs/running.md on checkpoints from elsewhere."""
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

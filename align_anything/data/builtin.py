@@ -25,7 +25,7 @@ assistant turn is the preferred answer, for the `task=sft` default) and `arith-k
 `arith-pref` pairs as 192 unpaired rows, `prompt` + `completion` + `label`, shuffled: for the
 `task=kto` default; each pair's chosen answer is a desirable row, its rejected one an
 undesirable row). These sizes are what
-lets the main job learn the format in 12 steps on 2 CPU cores (README, quick start).
+lets the main job learn the format in 12 steps on 2 CPU cores (docs/tasks/dpo.md).
 
 For online RL (`task=grpo`, `task=rloo`): `arith-prompts` (512 prompts) and the held-out
 `arith-prompts-eval` (64), prompt-only rows `{"prompt": [messages], "answer", "question"}` whose
