@@ -114,7 +114,11 @@ def main() -> None:
         folder = workdir / name.replace(" ", "-").replace("+", "-")
         folder.mkdir()
         overrides, spec = child_inputs(setup, folder)
-        ours = run_ours("ours", overrides + ours_overrides(case), workdir=folder, env=env)
+        # The case's loss keys replace the DPO setup's (the trainer refuses a key given twice).
+        own = ours_overrides(case)
+        keys = {o.split("=", 1)[0] for o in own}
+        shared = [o for o in overrides if o.split("=", 1)[0] not in keys]
+        ours = run_ours("ours", shared + own, workdir=folder, env=env)
         trl = run_trl(
             "TRL", {**spec, **case, "gradient_checkpointing": False, "optim": "adamw_torch_fused"},
             workdir=folder, env=env,

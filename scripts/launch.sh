@@ -38,9 +38,23 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-args=("task=$TASK" "deepspeed=$PRESET")
-[ -n "${MODEL:-}" ] && args+=("model.name_or_path=$MODEL")
-[ -n "${OUTPUT_DIR:-}" ] && args+=("output_dir=$OUTPUT_DIR")
+# The settings above are defaults: an override of the same key among the arguments takes its
+# place (align_anything.train refuses a key given twice).
+given() {
+    local key=$1 arg
+    shift
+    for arg in "$@"; do
+        case "${arg%%=*}" in "$key" | "+$key" | "++$key") return 0 ;; esac
+    done
+    return 1
+}
+args=()
+given task ${overrides[@]+"${overrides[@]}"} || args+=("task=$TASK")
+given deepspeed ${overrides[@]+"${overrides[@]}"} || args+=("deepspeed=$PRESET")
+[ -n "${MODEL:-}" ] && ! given model.name_or_path ${overrides[@]+"${overrides[@]}"} &&
+    args+=("model.name_or_path=$MODEL")
+[ -n "${OUTPUT_DIR:-}" ] && ! given output_dir ${overrides[@]+"${overrides[@]}"} &&
+    args+=("output_dir=$OUTPUT_DIR")
 args+=(${overrides[@]+"${overrides[@]}"})
 
 case "$LAUNCHER" in

@@ -27,11 +27,23 @@ if [ -z "$MASTER_ADDR" ]; then
     exit 2
 fi
 
-args=("task=$TASK" "deepspeed=$PRESET")
-[ -n "${MODEL:-}" ] && args+=("model.name_or_path=$MODEL")
-[ -n "${OUTPUT_DIR:-}" ] && args+=("output_dir=$OUTPUT_DIR")
+# The settings above are defaults: an override of the same key among the arguments takes its
+# place (align_anything.train refuses a key given twice).
+given() {
+    local key=$1 arg
+    shift
+    for arg in "$@"; do
+        case "${arg%%=*}" in "$key" | "+$key" | "++$key") return 0 ;; esac
+    done
+    return 1
+}
+args=()
+given task "$@" || args+=("task=$TASK")
+given deepspeed "$@" || args+=("deepspeed=$PRESET")
+[ -n "${MODEL:-}" ] && ! given model.name_or_path "$@" && args+=("model.name_or_path=$MODEL")
+[ -n "${OUTPUT_DIR:-}" ] && ! given output_dir "$@" && args+=("output_dir=$OUTPUT_DIR")
 cmd=(deepspeed --hostfile "$HOSTFILE" --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT"
-     --launcher "$DS_LAUNCHER" --module align_anything.train "${args[@]}" "$@")
+     --launcher "$DS_LAUNCHER" --module align_anything.train ${args[@]+"${args[@]}"} "$@")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
     echo "${cmd[*]}"

@@ -165,6 +165,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+def merged(overrides: list[str]) -> list[str]:
+    """`overrides` with each key once, the last value winning: a test states shared settings,
+    then its changes to them (`[*SFT_ARGS, "train.max_steps=8"]`), while the trainer refuses a
+    key given twice. An earlier override of a key is dropped and the later one keeps its place,
+    so a later `data.columns={...}` still replaces an earlier `data.columns.x=...`."""
+    last = {text.split("=", 1)[0].lstrip("+"): index for index, text in enumerate(overrides)}
+    return [
+        text for index, text in enumerate(overrides)
+        if "=" not in text or last[text.split("=", 1)[0].lstrip("+")] == index
+    ]  # fmt: skip
+
+
 def spawn(
     overrides: list[str],
     output_dir: Path,
@@ -176,7 +188,8 @@ def spawn(
     wrap: list[str] | None = None,
     python: str | None = None,
 ) -> subprocess.Popen:
-    """Start `align_anything.train` with `overrides` (plus `output_dir=...`) in the background.
+    """Start `align_anything.train` with `overrides` (plus `output_dir=...`; a key given twice
+    takes its last value, see `merged`) in the background.
 
     `launcher` is "python" (one process, `python -m`), "deepspeed" (`deepspeed --num_gpus N
     --master_port P --module`) or "torchrun" (`torchrun --nproc_per_node N --master_port P -m`).
@@ -189,7 +202,7 @@ def spawn(
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
     _require_slow_marker(f"starts {module} ({launcher})")
-    module_args = [module, *overrides, f"output_dir={output_dir}"]
+    module_args = [module, *merged([*overrides, f"output_dir={output_dir}"])]
     if launcher == "python":
         if nproc != 1:
             raise ValueError("launcher='python' starts exactly one process")

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SFT_ARGS, launch
+from conftest import SFT_ARGS, launch, merged
 
 from align_anything.config import load_config, load_preset
 from align_anything.errors import ConfigError
@@ -105,7 +105,7 @@ def test_plan_command_prints_every_preset(capsys: pytest.CaptureFixture[str]) ->
 def test_train_with_auto_follows_the_planner(tmp_path: Path) -> None:
     """A budget between the ZeRO-0 and the offload estimates makes auto pick ZeRO-3 offload
     on one process (with one rank, ZeRO-2/3 partition nothing)."""
-    overrides = [*SFT_ARGS, "train.max_steps=1"]
+    overrides = merged([*SFT_ARGS, "train.max_steps=1"])
     cfg = load_config(overrides)
     figures, _, _ = plan.plan(cfg, LANGUAGE_MODELS.estimate_memory, world_size=1)
     by_name = {e.preset: e for e in figures.estimates}

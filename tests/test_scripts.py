@@ -131,6 +131,24 @@ def test_multinode_command_parses_with_the_deepspeed_runner() -> None:
     assert dict(fetch_hostfile(args.hostfile)) == {"node1": 8, "node2": 8}
 
 
+def test_an_override_replaces_the_scripts_default_for_its_key() -> None:
+    """The scripts' settings (TASK, PRESET, MODEL, OUTPUT_DIR) are defaults: an override of the
+    same key takes their place instead of following them (the trainer refuses a key twice)."""
+    env = {"PRESET": "z3", "MODEL": "m", "OUTPUT_DIR": "o"}
+    given = ["deepspeed=z0", "+model.name_or_path=tiny-random-llama", "train.max_steps=1"]
+    command = dry_run("dpo.sh", *given, **env)
+    assert command[command.index("align_anything.train") + 1 :] == [
+        "task=dpo", "output_dir=o", *given
+    ]  # fmt: skip
+    command = dry_run(
+        "multinode.sh", "task=rm", "output_dir=x", HOSTFILE=str(SCRIPTS / "hostfile.example"),
+        TASK="dpo", **env,
+    )  # fmt: skip
+    assert command[command.index("align_anything.train") + 1 :] == [
+        "deepspeed=z3", "model.name_or_path=m", "task=rm", "output_dir=x"
+    ]  # fmt: skip
+
+
 def test_multinode_names_a_missing_hostfile(tmp_path: Path) -> None:
     done = subprocess.run(
         ["bash", str(SCRIPTS / "multinode.sh")], cwd=REPO_ROOT,

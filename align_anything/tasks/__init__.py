@@ -2,8 +2,8 @@
 with configs/task/ and the config schema's task sections.
 
 Adding a task: a module here with its task (the `training.task.Task` protocol), its `build`
-and a `SPEC`; its config section in `config.py` and its YAML in `configs/task/`; a line below.
-The loop (`training/loop.py`) does not change."""
+and a `SPEC`; its config section in `config/sections/` (listed in `config.run.TASK_SECTIONS`)
+and its YAML in `configs/task/`; a line below. The loop (`training/loop.py`) does not change."""
 
 from __future__ import annotations
 

@@ -1,164 +1,15 @@
-"""The run config's sections for rewards, rollouts and the tasks that generate: remote and
-model rewards (`reward`), the rollout backend and vLLM (`rollout`), the online RL tasks (`grpo`,
-`rloo`, `ppo`) and the text-to-image tasks (`diffusion_sft`, `diffusion_dpo`). `config.RunConfig`
-holds them beside the language-model sections; every section forbids unknown keys."""
+"""The sections of the tasks that generate: the rollout backend and its vLLM engine
+(`rollout`), and the online RL tasks `grpo`, `rloo` and `ppo` (generation, the clipped ratio,
+PPO's critic and its consistency checks)."""
 
 from __future__ import annotations
 
-import math
-import re
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from align_anything.config.sections.base import _Section
 from align_anything.errors import ConfigError
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def names_a_missing_folder(name_or_path: str) -> bool:
-    """Whether a model name is spelt as a local path (`./x`, `/x`, `~/x`, or `a/b/c`: a hub name
-    has one slash at most) that does not exist: such a name can only mean a folder."""
-    spelt_as_path = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
-    return spelt_as_path and not Path(name_or_path).expanduser().exists()
-
-
-# An environment variable's name (POSIX shells accept these).
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-
-
-class RemoteRewardSection(_Section):
-    """Reward servers over HTTP (`align_anything.rewards.remote`; `python -m align_anything
-    serve-reward` serves a task=rm model this way)."""
-
-    urls: list[str] = Field(
-        description="Reward servers, each one reward (weighted in reward.weights after the functions, before the reward model), scoring every completion: a POST of JSON lists `prompts`, `completions` and one per data field (an entry per completion), answered with `{rewards: [float or null, ...]}`. []: none. Tokens belong in headers_env, not in the URL.",
-    )
-    timeout_s: float = Field(gt=0, description="Seconds to wait for a server's answer.")
-    retries: int = Field(
-        ge=0,
-        description="Further attempts after a connection error, a timeout or HTTP 408/429/5xx (other failures are not retried).",
-    )
-    backoff_s: float = Field(
-        ge=0, description="Wait before the first retry; each further retry waits twice as long."
-    )
-    max_rows_per_request: int = Field(
-        ge=1,
-        description="Completions per request; a rank's completions go in requests of at most this many.",
-    )
-    headers_env: str | None = Field(
-        description="Name of an environment variable holding a bearer token, or a JSON object of request headers (never shown or logged); null: no headers.",
-    )
-
-    @field_validator("urls", mode="before")
-    @classmethod
-    def _one_or_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-    @field_validator("urls")
-    @classmethod
-    def _http_urls(cls, urls: list[str]) -> list[str]:
-        from urllib.parse import urlsplit
-
-        for index, url in enumerate(urls):
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(
-                    f"entry {index} is not an http(s) URL such as http://host:8000/score"
-                )
-            if parts.username is not None or parts.password is not None:
-                raise ValueError(
-                    f"entry {index} carries credentials (user:password@), which the saved config "
-                    "would keep: put them in the environment variable reward.remote.headers_env "
-                    "names"
-                )
-        return urls
-
-    @field_validator("headers_env")
-    @classmethod
-    def _env_name(cls, name: str | None) -> str | None:
-        if name is not None and not _ENV_NAME.fullmatch(name):
-            raise ValueError(
-                "not an environment variable name: give the variable's NAME (e.g. RM_TOKEN), "
-                "never the token itself"
-            )
-        return name
-
-
-class RewardSection(_Section):
-    """Online RL: what scores a completion. Functions, reward servers and a reward model add up,
-    weighted."""
-
-    functions: list[str] = Field(
-        description="Reward functions as `module:function` (`align_anything.rewards:arith_exact`); each gets (prompts, completions, **row fields) and returns one float or None (no opinion) per completion.",
-    )
-    weights: list[float] | None = Field(
-        description="One weight per reward (the functions in order, then the remote URLs, then the reward model); null: all 1.0. TRL's reward_weights.",
-    )
-    model: str | None = Field(
-        description="A reward model trained by task=rm (e.g. `outputs/rm/final`), run frozen (ZeRO-3: partitioned); it re-tokenises prompt + completion with its own tokenizer and chat template. null: none.",
-    )
-    timeout_seconds: float = Field(
-        gt=0,
-        description="Longest one call of a reward function (one step's completions on a rank) may take; past it the call is interrupted and the run stops with exit status 2, naming the function and the rows.",
-    )
-    remote: RemoteRewardSection = Field(description="Reward servers over HTTP.")
-
-    @field_validator("functions", mode="before")
-    @classmethod
-    def _one_or_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-    @field_validator("weights")
-    @classmethod
-    def _finite_weights(cls, value: list[float] | None) -> list[float] | None:
-        # NaN or inf times any reward is NaN or inf: every advantage would be NaN or 0.
-        bad = [w for w in value or [] if not math.isfinite(w)]
-        if bad:
-            raise ValueError(f"weights must be finite numbers, got {', '.join(map(str, bad))}")
-        return value
-
-    @field_validator("model")
-    @classmethod
-    def _model_folder_exists(cls, value: str | None) -> str | None:
-        if value is not None and names_a_missing_folder(value):
-            raise ValueError(
-                "no such folder: give the final/ folder of a task=rm run (e.g. "
-                "reward.model=outputs/rm/final)"
-            )
-        return value
-
-    def count(self) -> int:
-        """How many rewards: the functions, the remote URLs and the reward model."""
-        return len(self.functions) + len(self.remote.urls) + (self.model is not None)
-
-    @model_validator(mode="after")
-    def _one_weight_each(self) -> RewardSection:
-        count = self.count()
-        if count == 0:
-            raise ValueError(
-                "reward: no reward: list reward.functions (e.g. [align_anything.rewards:arith_exact]), "
-                "reward.remote.urls or set reward.model to a reward model folder"
-            )
-        if self.weights is not None and len(self.weights) != count:
-            kinds = [f"{len(self.functions)} function(s)"]
-            if self.remote.urls:
-                kinds.append(f"{len(self.remote.urls)} remote URL(s)")
-            if self.model:
-                kinds.append("a reward model")
-            raise ValueError(
-                f"reward.weights has {len(self.weights)} entries but there are {count} rewards "
-                f"({' and '.join(kinds)}): give one weight per reward, functions first, then "
-                "remote URLs, then the reward model, or null for all 1.0"
-            )
-        return self
-
-    def weight_list(self) -> list[float]:
-        """One weight per reward: the functions, the remote URLs, then the reward model."""
-        return [1.0] * self.count() if self.weights is None else list(self.weights)
 
 
 class VLLMSection(_Section):
@@ -305,58 +156,6 @@ class GRPOSection(_OnlineRL):
 class RLOOSection(_OnlineRL):
     normalize_advantages: bool = Field(
         description="Standardise the leave-one-out advantages over the global batch (TRL's normalize_advantages)."
-    )
-
-
-TIMESTEP_SAMPLING = ("uniform", "logit_normal", "mode")  # forward_diffusion.TIMESTEP_SCHEMES
-DIFFUSION_DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # losses.DIFFUSION_DPO_LOSS_TYPES
-
-
-class _Diffusion(_Section):
-    """What the text-to-image tasks share: the noise levels drawn in training (flow-matching
-    families), and the images drawn for people to look at and for the held-out check."""
-
-    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
-        description="Flow-matching families (SD3, Flux): the density of training noise levels, as diffusers' weighting_scheme: uniform, logit_normal (the SD3 paper's) or mode. SD 1.x/2.x and SDXL draw timesteps uniformly.",
-    )
-    logit_mean: float = Field(description="logit_normal: the mean of the normal.")
-    logit_std: float = Field(gt=0.0, description="logit_normal: the standard deviation.")
-    mode_scale: float = Field(description="mode: the scale of the mode density.")
-    flux_guidance: float = Field(
-        gt=0.0,
-        description="Flux with a guidance embedding (guidance-distilled): the guidance value the transformer is given in training (diffusers' DreamBooth script: 3.5).",
-    )
-    sample_steps: int = Field(
-        ge=1, description="Denoising steps of the folder's own sampler for sample and check images."
-    )
-    guidance_scale: float = Field(
-        ge=0.0,
-        description="Classifier-free guidance of sample and check images (1: none).",
-    )
-    check_samples: int = Field(
-        ge=0,
-        description="Images for this many held-out captions (each with its seed) before and after training, checked by the dataset's pixel rule where it has one (built-in shapes data: the dominant colour names the caption's): eval/image_check. 0: none.",
-    )
-
-
-class DiffusionSFTSection(_Diffusion):
-    eval_draws: int = Field(
-        ge=1,
-        description="Noise draws (noise and noise level, from the training density) each held-out image is scored at, the same at every evaluation; its eval/loss and eval/mse are their mean. More draws: the same expected loss with less noise, at that many forward passes per held-out image.",
-    )
-    min_snr_gamma: float | None = Field(
-        gt=0.0,
-        description="Min-SNR-gamma weighting of the denoising loss (Hang et al. 2023; 5.0 is the paper's), epsilon and v-prediction only; null: the plain MSE.",
-    )
-
-
-class DiffusionDPOSection(_Diffusion):
-    beta: float = Field(
-        gt=0.0,
-        description="Diffusion-DPO's beta on the MSE differences: logits = (ref_w - ref_l) - (theta_w - theta_l), loss -log sigmoid(beta * logits). diffusers' research script's beta_dpo is 2x this (its SD 1.5 2000 is 1000 here); users report loss spikes at its 2,000-5,000.",
-    )
-    loss_type: Literal["sigmoid", "hinge", "ipo"] = Field(
-        description="sigmoid (Wallace et al. 2023), hinge (relu(1 - beta * logits)) or ipo ((logits - 1/(2 beta))^2).",
     )
 
 
