@@ -174,14 +174,15 @@ def colocated() -> dict[str, Any]:
     from align_anything.families.zoo import resolve_model_path
     from align_anything.generation import vllm as rollout_vllm
     from align_anything.generation.rollout import stop_token_ids
+    from align_anything.generation.vllm_engine import EngineSettings, LocalEngine
 
     os.environ.setdefault("MASTER_PORT", sys.argv[1] if len(sys.argv) > 1 else "29555")
     rollout_vllm.colocated_env(0, 0, 1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     model, tokenizer, rows = load()
     threads = torch.get_num_threads()
-    engine = rollout_vllm.LocalEngine(
-        rollout_vllm.EngineSettings(
+    engine = LocalEngine(
+        EngineSettings(
             model=resolve_model_path(MODEL),
             dtype="float32",
             max_model_len=256,

@@ -16,7 +16,7 @@ generator would tie every row's sample to the batch it was drawn in. The cost is
 per row per token from its generator (a vocabulary of uniforms), beside a forward pass of the
 whole batch.
 
-The vLLM backends (`training/rollout_vllm.py`, `rollout.backend=vllm`) implement the same
+The vLLM backends (`generation/vllm.py`, `rollout.backend=vllm`) implement the same
 `generate` with the same `Sampling` (temperature, top-k, top-p, max tokens, the same stop tokens,
 `stop_token_ids`) and one seed per completion (`completion_seed`, passed to vLLM's per-request
 `SamplingParams(seed=...)`); they also return the engine's log-prob of each sampled token

@@ -9,7 +9,7 @@
 MODEL is a model folder, a built-in name or a hub name: the architecture the runs train (a
 run checks it at start-up and stops with one error when it differs); its weights are the
 engine's until a run sends its own, which it does before its first round and after every
-optimizer step. The protocol is `training.rollout_vllm.RolloutClient`'s (JSON and safetensors
+optimizer step. The protocol is `generation.vllm.RolloutClient`'s (JSON and safetensors
 over HTTP, nothing unpickled). One engine serves one run at a time: requests are served on
 threads but reach the engine one after the other, and the weights are whichever run sent them
 last. `GET /health` answers `{"status": "ok"}`.
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.port < 65536 or args.max_model_len < 1 or args.kv_cache_gib < 0:
             raise ConfigError("--port in 0..65535, --max-model-len >= 1, --kv-cache-gib >= 0")
         from align_anything.families.zoo import resolve_model_path
-        from align_anything.generation.vllm import EngineSettings, LocalEngine
+        from align_anything.generation.vllm_engine import EngineSettings, LocalEngine
 
         path = resolve_model_path(args.model, key="MODEL")
         engine = LocalEngine(

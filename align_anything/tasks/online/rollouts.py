@@ -503,7 +503,7 @@ def round_metrics(
 
 def generation_backend(run: Run) -> GenerationBackend:
     """rollout.backend: HF `generate` on the policy, or a vLLM engine (colocated or a server;
-    `training/rollout_vllm.py`), with the same stop tokens."""
+    `generation/vllm.py`), with the same stop tokens."""
     cfg, policy = run.cfg, run.policy
     stop = stop_token_ids(policy.module, run.model.tokenizer)
     if cfg.rollout.backend == "vllm":
