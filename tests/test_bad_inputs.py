@@ -146,7 +146,7 @@ CASES = [
     ("max-steps-zero", ["task=sft", TINY, "train.max_steps=0"],
      ["train.max_steps: must be a number of optimizer steps >= 1, or -1 to run `train.epochs` "
       "epochs (given: 0)"]),
-    # A repeated key once went through, the last value winning; Hydra's own CLI refuses it.
+    # A repeated key once went through, the last value winning silently.
     ("repeated-key", ["task=sft", TINY, "train.max_steps=2", "train.max_steps=3"],
      ["train.max_steps is given twice: train.max_steps=2 and then train.max_steps=3"]),
     ("repeated-preset-key",

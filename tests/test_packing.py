@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SFT_ARGS, launch
+from conftest import SFT_ARGS, launch, merged
 from transformers import AutoModelForCausalLM
 
 from align_anything.errors import ConfigError
@@ -246,9 +246,9 @@ def test_a_kernel_the_model_class_lacks_is_an_error(monkeypatch: pytest.MonkeyPa
 def test_bad_kernel_or_packing_is_reported_before_weights_load(
     overrides: list[str], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    status = main(
-        ["task=sft", "model.name_or_path=tiny-random-llama", *overrides, f"output_dir={tmp_path}"]
-    )
+    # The multimodal case names its own model in place of the tiny Llama.
+    args = merged(["task=sft", "model.name_or_path=tiny-random-llama", *overrides])
+    status = main([*args, f"output_dir={tmp_path}"])
     err = capsys.readouterr().err
     assert status == 2 and err.startswith("error: ") and "Traceback" not in err, err
     assert fragment in err, err

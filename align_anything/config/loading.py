@@ -112,8 +112,9 @@ def _parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
             )
             continue
         key = override.get_key_element().lstrip("+")
-        # A repeated key is refused, as Hydra's own command line does: the last value winning
-        # silently hides a typo or an edit made in the wrong place of a long command.
+        # A repeated key is refused (Hydra itself keeps the last value, and refuses only
+        # `+key=a +key=b`): the last value winning silently hides a typo, or an edit made to
+        # the wrong copy of a key in a long command.
         if key in first_given:
             problems.append(
                 f"{key} is given twice: {first_given[key]} and then {text}. Give each key once, "
