@@ -146,14 +146,6 @@ CASES = [
     ("max-steps-zero", ["task=sft", TINY, "train.max_steps=0"],
      ["train.max_steps: must be a number of optimizer steps >= 1, or -1 to run `train.epochs` "
       "epochs (given: 0)"]),
-    # A repeated key once went through, the last value winning silently.
-    ("repeated-key", ["task=sft", TINY, "train.max_steps=2", "train.max_steps=3"],
-     ["train.max_steps is given twice: train.max_steps=2 and then train.max_steps=3"]),
-    ("repeated-preset-key",
-     ["task=sft", TINY, "train.max_steps=1", "deepspeed.steps_per_print=100",
-      "+deepspeed.steps_per_print=200"],
-     ["deepspeed.steps_per_print is given twice: deepspeed.steps_per_print=100 and then "
-      "+deepspeed.steps_per_print=200"]),
     ("zero-micro-batch", ["task=sft", "train.per_device_batch_size=0"],
      ["train.per_device_batch_size", "positive integer or 'auto'", "given: 0"]),
     ("eval-fraction-over-one", ["task=sft", "data.eval_fraction=1.5"],

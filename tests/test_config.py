@@ -279,3 +279,18 @@ def test_lora_target_modules_take_one_name_without_brackets() -> None:
     both = load_config(["model.lora.target_modules=[q_proj,v_proj]"]).model.lora
     assert both.target_modules == ["q_proj", "v_proj"]
     assert load_config([]).model.lora.target_modules == "all-linear"
+
+
+def test_a_repeated_key_keeps_its_last_value_and_says_so() -> None:
+    # As Hydra does (`a=1 a=2` gives 2), so a wrapper script's defaults followed by the user's
+    # overrides work; the start-up summary shows the note (not silently, issue #38).
+    cfg = load_config(["train.max_steps=2", "train.max_steps=3", "deepspeed.steps_per_print=5",
+                       "+deepspeed.steps_per_print=7"])  # fmt: skip
+    assert cfg.train.max_steps == 3 and cfg.deepspeed["steps_per_print"] == 7
+    assert cfg.override_notes == (
+        "train.max_steps given 2 times (train.max_steps=2, train.max_steps=3): the last is used",
+        "deepspeed.steps_per_print given 2 times (deepspeed.steps_per_print=5, "
+        "+deepspeed.steps_per_print=7): the last is used",
+    )
+    assert "override_notes" not in cfg.to_dict()
+    assert load_config(["train.max_steps=2"]).override_notes == ()

@@ -82,15 +82,16 @@ def load_preset(spec: str) -> tuple[dict[str, Any], str]:
     return data, str(path)
 
 
-def _parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
-    """Parse `key=value` overrides with Hydra's grammar (typed values, lists, quoting)."""
+def _parse_overrides(overrides: Sequence[str]) -> tuple[list[tuple[str, Any]], list[str]]:
+    """Parse `key=value` overrides with Hydra's grammar (typed values, lists, quoting); returns
+    them and a note for each key given more than once."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     parser = OverridesParser.create()
     parsed: list[tuple[str, Any]] = []
     problems: list[str] = []
-    first_given: dict[str, str] = {}  # key -> the override that gave it first
+    given: dict[str, list[str]] = {}  # key -> the overrides that gave it, in order
     for text in overrides:
         try:
             (override,) = parser.parse_overrides([text])
@@ -112,20 +113,21 @@ def _parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any]]:
             )
             continue
         key = override.get_key_element().lstrip("+")
-        # A repeated key is refused (Hydra itself keeps the last value, and refuses only
-        # `+key=a +key=b`): the last value winning silently hides a typo, or an edit made to
-        # the wrong copy of a key in a long command.
-        if key in first_given:
-            problems.append(
-                f"{key} is given twice: {first_given[key]} and then {text}. Give each key once, "
-                "with the value you mean"
-            )
-            continue
-        first_given[key] = text
+        # A repeated key keeps its last value, as Hydra does (`a=1 a=2` gives 2), so a wrapper
+        # script's defaults followed by the user's own overrides work; the start-up summary
+        # says so, since a silent last value can hide a typo or an edit to the wrong copy.
+        if key in given:
+            given[key].append(text)
+        else:
+            given[key] = [text]
         parsed.append((key, override.value()))
     if problems:
         raise ConfigError("\n".join(problems))
-    return parsed
+    notes = [
+        f"{key} given {len(texts)} times ({', '.join(texts)}): the last is used"
+        for key, texts in given.items() if len(texts) > 1
+    ]  # fmt: skip
+    return parsed, notes
 
 
 def _set_dotted(target: dict[str, Any], dotted: str, value: Any) -> None:
@@ -201,7 +203,7 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    parsed = _parse_overrides(overrides)
+    parsed, repeated = _parse_overrides(overrides)
     problems: list[str] = []
     task = next((str(v) for k, v in parsed if k == "task"), "sft")
     task_known = task in available_tasks()
@@ -264,6 +266,7 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
         raw["deepspeed"] = {}
         raw["deepspeed_source"] = preset_spec
     raw["explicit_keys"] = frozenset(explicit)
+    raw["override_notes"] = tuple(repeated)
 
     try:
         config = RunConfig.model_validate(raw)

@@ -86,7 +86,11 @@ def _known_keys(section: str) -> list[str]:
         model = _section_model(annotation, part)
     if model is None:
         return []
-    return [k for k in model.model_fields if k not in ("explicit_keys", "deepspeed_source")]
+    return [
+        k
+        for k in model.model_fields
+        if k not in ("explicit_keys", "override_notes", "deepspeed_source")
+    ]
 
 
 def _section_model(annotation: Any, name: str) -> type[BaseModel] | None:

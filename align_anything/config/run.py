@@ -63,6 +63,8 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field()
     # Dotted keys the user set on the command line; used to detect conflicts with the preset.
     explicit_keys: frozenset[str] = frozenset()
+    # What the start-up summary says of the command line (a key given twice: the last is used).
+    override_notes: tuple[str, ...] = ()
     # One section per task; only the selected task's section may be present.
     sft: SFTSection | None = None
     dpo: DPOSection | None = None
@@ -152,7 +154,7 @@ class RunConfig(_Section):
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved configuration as plain data, as saved beside checkpoints."""
-        data = self.model_dump(mode="json", exclude={"explicit_keys"})
+        data = self.model_dump(mode="json", exclude={"explicit_keys", "override_notes"})
         return {k: v for k, v in data.items() if v is not None or k in ("resume",)}
 
 
