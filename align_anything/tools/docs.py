@@ -38,7 +38,7 @@ START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
 REGENERATE = "python -m align_anything docs --write"
 # Bookkeeping fields the loader fills in; not keys a user sets.
-INTERNAL = frozenset({"explicit_keys", "deepspeed_source"})
+INTERNAL = frozenset({"explicit_keys", "override_notes", "deepspeed_source"})
 # The schema holds the loaded preset JSON; on the command line the key takes a name or a path.
 SHOWN_TYPES = {"deepspeed": "preset name \\| path"}
 
