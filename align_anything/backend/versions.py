@@ -3,19 +3,27 @@ bug report carries them)."""
 
 from __future__ import annotations
 
+import sys
 from importlib import metadata
 
 # The libraries whose releases change what a run computes, in the order the summary names them.
 LIBRARIES = ("torch", "deepspeed", "transformers", "datasets")
+# Those only some runs use (diffusers: text-to-image; peft: LoRA; vllm: rollout.backend=vllm),
+# named when the run has imported them, i.e. when they compute part of it.
+OPTIONAL_LIBRARIES = ("diffusers", "peft", "vllm")
+
+
+def _version(name: str) -> str:
+    try:
+        return f"{name} {metadata.version(name)}"
+    except metadata.PackageNotFoundError:
+        return f"{name} not installed"
 
 
 def library_versions() -> str:
     """ "torch 2.13.0+cpu, deepspeed 0.19.8, transformers 5.24.0, datasets 5.2.0" (as installed;
-    "not installed" for one that is missing)."""
-    found = []
-    for name in LIBRARIES:
-        try:
-            found.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            found.append(f"{name} not installed")
-    return ", ".join(found)
+    "not installed" for one that is missing), then those of `OPTIONAL_LIBRARIES` this process
+    has imported (", diffusers 0.42.1, peft 0.18.0" for a text-to-image LoRA run). Call it once
+    the run is set up: its model and adapters are loaded."""
+    used = [name for name in OPTIONAL_LIBRARIES if name in sys.modules]
+    return ", ".join(_version(name) for name in (*LIBRARIES, *used))

@@ -70,6 +70,11 @@ def setup(cfg: RunConfig, spec: TaskSpec, stack: ExitStack) -> Run:
     ds_plan = plan_deepspeed(cfg, dist, family, family.bucket_width(model), output.resume_dir,
                              resume_state)  # fmt: skip
     schedule = (spec.schedule or row_schedule)(cfg, data, ds_plan.batch)
+    if output.finished_step is not None:  # before anything is converted, loaded or written
+        outdir.check_finished(
+            output.path, finished_step=output.finished_step, resume_dir=output.resume_dir,
+            total_steps=schedule.total_steps,
+        )  # fmt: skip
     if resume_state is not None:
         assert output.resume_dir is not None
         summary += check_resume(cfg, output.resume_dir, resume_state, data, ds_plan, schedule,
@@ -112,10 +117,10 @@ def claim_output(cfg: RunConfig, dist: comm.DistInfo, stack: ExitStack) -> Outpu
     path = Path(cfg.output_dir)
     lock = outdir.Lock(path)
     stack.callback(lock.release)
-    run_id, resume = comm.decide_on_main(
+    run_id, resume, finished = comm.decide_on_main(
         lambda: outdir.claim(path, lock, resume=cfg.resume, overwrite=cfg.overwrite_output_dir)
     )
-    return OutputClaim(path, lock, run_id, Path(resume) if resume else None)
+    return OutputClaim(path, lock, run_id, Path(resume) if resume else None, finished)
 
 
 # ---------------------------------------------------------------------------- 3: the model
@@ -196,7 +201,8 @@ def start_logging(run: Run, family: ModelFamily, stack: ExitStack, *, task: str)
     run.logger = MetricsLogger(
         out, backends=cfg.logging.backends, project=cfg.logging.project,
         run_name=cfg.logging.run_name, config=cfg.to_dict(),
-        resume=run.output.resume_dir is not None,
+        resume_step=run.state.step if run.output.resume_dir is not None else None,
+        finished=run.output.finished_step == run.state.step,
     )  # fmt: skip
     stack.callback(run.logger.close)
     for name, data in run.configs().items():
