@@ -70,15 +70,11 @@ def setup(cfg: RunConfig, spec: TaskSpec, stack: ExitStack) -> Run:
     ds_plan = plan_deepspeed(cfg, dist, family, family.bucket_width(model), output.resume_dir,
                              resume_state)  # fmt: skip
     schedule = (spec.schedule or row_schedule)(cfg, data, ds_plan.batch)
-    if output.finished_step is not None:  # before anything is converted, loaded or written
-        outdir.check_finished(
-            output.path, finished_step=output.finished_step, resume_dir=output.resume_dir,
-            total_steps=schedule.total_steps,
-        )  # fmt: skip
     if resume_state is not None:
-        assert output.resume_dir is not None
-        summary += check_resume(cfg, output.resume_dir, resume_state, data, ds_plan, schedule,
+        summary += check_resume(cfg, output, resume_state, data, ds_plan, schedule,
                                 warn=dist.is_main)  # fmt: skip
+    elif output.finished_step is not None:  # a finished run without a checkpoint left
+        check_finished(output, schedule)
     memory_before_model = memory.peak_memory_bytes()  # on CPU: interpreter, libraries, data
     policy, lines = family.build_policy(cfg, model, ds_plan, schedule, spec)
     summary += lines
@@ -150,18 +146,33 @@ def plan_deepspeed(
     )  # fmt: skip
 
 
+def check_finished(output: OutputClaim, schedule: Schedule) -> None:
+    """A resumed run that had finished: nothing to do (`AlreadyFinished`) unless the schedule
+    now goes past its end (`output_dir.check_finished`)."""
+    assert output.finished_step is not None
+    outdir.check_finished(
+        output.path, finished_step=output.finished_step, resume_dir=output.resume_dir,
+        total_steps=schedule.total_steps,
+    )  # fmt: skip
+
+
 def check_resume(
-    cfg: RunConfig, resume_dir: Path, state: dict[str, Any], data: Data,
+    cfg: RunConfig, output: OutputClaim, state: dict[str, Any], data: Data,
     ds_plan: deepspeed_plan.DeepSpeedPlan, schedule: Schedule, *, warn: bool,
 ) -> list[str]:  # fmt: skip
     """The checks a resumed run passes before the model loads (same model, tokenizer, data,
-    global batch), the note on a changed schedule, and a checkpoint of another ZeRO stage or
-    world size converted once to DeepSpeed's universal format."""
+    global batch); a run that had finished stops there when it has nothing left to do
+    (`check_finished`: nothing written yet); the note on a changed schedule, and a checkpoint
+    of another ZeRO stage or world size converted once to DeepSpeed's universal format."""
+    resume_dir = output.resume_dir
+    assert resume_dir is not None
     checkpoints.check_resume(
         resume_dir, state, now={"model": cfg.model.name_or_path, **data.fingerprints},
         global_batch=ds_plan.batch.global_batch, allow_mismatch=cfg.checkpoint.allow_mismatch,
         warn=warn,
     )  # fmt: skip
+    if output.finished_step is not None:
+        check_finished(output, schedule)
     note = checkpoints.schedule_note(resume_dir.name, state, schedule.state(cfg))
     if ds_plan.universal:
         # Every trained engine's folder: the policy's, and e.g. PPO's critic's.
