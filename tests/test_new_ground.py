@@ -178,7 +178,7 @@ def test_weights_are_readable_under_the_umask(resumed_run: RunResult, tmp_path: 
 @pytest.mark.slow
 def test_a_language_model_run_names_only_the_libraries_it_uses(resumed_run: RunResult) -> None:
     """Case 17, the other side (test_image_data_edges.py has a text-to-image LoRA run naming
-    diffusers and peft): a full fine-tuning of a language model imports neither."""
+    diffusers and peft): a full fine-tuning of a language model uses neither."""
     versions = resumed_run.summary_line("versions")
     assert versions.startswith("torch ") and ", datasets " in versions
     assert "diffusers" not in versions and "peft" not in versions

@@ -8,9 +8,9 @@ from importlib import metadata
 
 # The libraries whose releases change what a run computes, in the order the summary names them.
 LIBRARIES = ("torch", "deepspeed", "transformers", "datasets")
-# Those only some runs use (diffusers: text-to-image; peft: LoRA; vllm: rollout.backend=vllm),
-# named when the run has imported them, i.e. when they compute part of it.
-OPTIONAL_LIBRARIES = ("diffusers", "peft", "vllm")
+# Those only some runs use, named when the run has imported them: diffusers (text-to-image
+# pipelines), vllm (rollout.backend=vllm).
+IMPORTED_LIBRARIES = ("diffusers", "vllm")
 
 
 def _version(name: str) -> str:
@@ -20,10 +20,11 @@ def _version(name: str) -> str:
         return f"{name} not installed"
 
 
-def library_versions() -> str:
+def library_versions(*, lora: bool = False) -> str:
     """ "torch 2.13.0+cpu, deepspeed 0.19.8, transformers 5.24.0, datasets 5.2.0" (as installed;
-    "not installed" for one that is missing), then those of `OPTIONAL_LIBRARIES` this process
-    has imported (", diffusers 0.42.1, peft 0.18.0" for a text-to-image LoRA run). Call it once
-    the run is set up: its model and adapters are loaded."""
-    used = [name for name in OPTIONAL_LIBRARIES if name in sys.modules]
-    return ", ".join(_version(name) for name in (*LIBRARIES, *used))
+    "not installed" for one that is missing), then those of `IMPORTED_LIBRARIES` this process
+    has imported, and peft for a LoRA run (`lora`; diffusers imports peft whenever it is
+    installed, so an import says nothing): ", diffusers 0.42.1, peft 0.21.2" for a
+    text-to-image LoRA run. Call it once the run is set up: its model is loaded."""
+    used = [name for name in IMPORTED_LIBRARIES if name in sys.modules]
+    return ", ".join(_version(name) for name in (*LIBRARIES, *used, *(["peft"] if lora else [])))

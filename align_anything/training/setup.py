@@ -265,5 +265,6 @@ def startup_facts(run: Run, family: ModelFamily, *, task: str) -> report.Startup
         logging_notes=list(run.logger.notes) if run.logger is not None else [],
         output_dir=str(run.output.path),
         resumed=(str(run.output.resume_dir), run.state.step) if run.output.resume_dir else None,
-        universal=ds_plan.universal, versions=versions.library_versions(),
+        universal=ds_plan.universal,
+        versions=versions.library_versions(lora=cfg.model.lora.enabled),
     )  # fmt: skip
