@@ -60,7 +60,7 @@ def cropper(resolution: int) -> Any:
     `resolution`, centre-cropped square, [-1, 1]; its geometry is SDXL's conditioning."""
 
     def prepare(ref: ImageRef) -> _Ready:
-        cropped = center_crop(ref.read(), resolution)
+        cropped = center_crop(ref.read(), resolution, name=ref.describe())
         return _Ready(cropped.pixels, (*cropped.original_size, *cropped.crop_top_left))
 
     return prepare
@@ -111,7 +111,9 @@ def describe(resolution: int, latent_shape: tuple[int, ...]) -> str:
 
 IMAGES = Medium(
     name="image", unit="images",
-    read_source=lambda path, kind, columns: read_image_source(path, kind, columns=columns),
+    read_source=lambda path, kind, columns, max_pixels: read_image_source(
+        path, kind, columns=columns, max_pixels=max_pixels
+    ),
     key_parts=lambda source, resolution, encoder, columns: latent_key_parts(
         source, resolution=resolution, encoder=encoder, columns=columns
     ),
