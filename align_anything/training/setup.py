@@ -103,6 +103,11 @@ def start_process(cfg: RunConfig, stack: ExitStack) -> comm.DistInfo:
     # Distributed first: ranks decide data shards, and ZeRO-3 model construction needs it.
     dist = comm.setup_distributed()
     stack.callback(comm.teardown_distributed)
+    # The precision this device can train in, checked before anything loads (fp16 on a CPU is
+    # one message here, not DeepSpeed's error after the model has loaded).
+    deepspeed_plan.run_precision(
+        cfg, device_type=dist.device.type, bf16_supported=comm.bf16_supported()
+    )
     checkpoints.seed_everything(cfg.train.seed)
     return dist
 
