@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     started, cpu_started = time.time(), time.process_time()
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL.from_pretrained(args.vae_from, subfolder="vae").eval()
+    # The trained weights in a VAE built from the config here: the folder's own config would
+    # carry its path (`_name_or_path`) into the written one.
+    vae = AutoencoderKL(**flow_model.vae_kwargs()).eval()
+    vae.load_state_dict(AutoencoderKL.from_pretrained(args.vae_from, subfolder="vae").state_dict())
     parts = flow_model.build_components(seed=args.seed, vae=vae)
     pixels, combos = draw_pictures(args.pictures, args.seed)
     log(f"{len(pixels)} pictures drawn")

@@ -74,6 +74,9 @@ def test_the_name_is_a_shipped_text_to_image_model() -> None:
     ]  # fmt: skip
     assert all(p.suffix == ".safetensors" for p in weights)
     assert sum(p.stat().st_size for p in weights) < 8 * 2**20
+    # no file names the folder it was built from
+    for path in FOLDER.rglob("*.json"):
+        assert "_name_or_path" not in path.read_text(), path
 
 
 def test_the_folder_loads_as_an_sd3_flow_pipeline(
