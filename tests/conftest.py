@@ -1,4 +1,4 @@
-"""Shared helpers for tests that run the real entry point in a subprocess.
+"""Shared helpers for tests that run the real entry point (in a subprocess, or in-process).
 
 `launch(...)` starts `align_anything.train` the way a user would (plain `python -m`, the
 deepspeed launcher, or torchrun), offline, with a fresh loopback port per launch and a hard
@@ -13,7 +13,7 @@ worker that needs one runs it once (a few seconds). Runs that cost more are modu
 one file that reads them (`--dist loadfile` keeps a file in one worker).
 
 Every test that starts a run must carry the `slow` marker (`make test-fast` leaves those out):
-`spawn` and `finish` fail a test that is not marked.
+`spawn`, `finish` and `run_inline` fail a test that is not marked.
 """
 
 from __future__ import annotations
@@ -409,8 +409,9 @@ def run_inline(
     overrides: list[str], output_dir: Path, *, extra_env: dict[str, str] | None = None
 ) -> RunResult:
     """Run the entry point in this process: `align_anything.train.main(overrides +
-    output_dir=...)` (each key once, see `merged`), one rank, what it prints (Python and file-descriptor level, e.g. the data
-    workers' lines) captured into `RunResult.output`, as `launch` would return it.
+    output_dir=...)` (each key once, see `merged`), one rank; what it prints (at the Python and
+    the file-descriptor level, e.g. the data workers' lines) captured into `RunResult.output`,
+    as `launch` would return it.
 
     For tests of what a run computes and writes (losses, metrics, checkpoints, exports), not of
     how a process behaves (signals, launchers, exit of a killed process, several ranks): a launch
