@@ -91,12 +91,15 @@ train-t2i: setup
 # `make test` runs everything; `make test-fast` leaves out the tests marked slow (end-to-end runs
 # of the trainer, the launchers and the scripts). Collecting no tests (pytest's exit 5) fails.
 # TEST_WORKERS tests run at once (pytest-xdist), each test file whole in one worker (its
-# module-scoped runs are started once); every run they launch uses one thread (tests/conftest.py).
-# TEST_WORKERS=0 runs them one at a time.
+# module-scoped runs are started once), the longest files first (tests/conftest.py's
+# LONGEST_FIRST, kept in that order by --no-loadscope-reorder); every run they launch uses one
+# thread. TEST_WORKERS=0 runs them one at a time. The 30 slowest tests are listed at the end of
+# every run, so a test that grows is seen.
 TEST_WORKERS ?= 2
 test-fast: PYTEST_ARGS = -m "not slow"
 test test-fast: setup
-	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 \
+		$(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 # Side by side with TRL on identical work (CPU, minutes; see benchmarks/README.md).

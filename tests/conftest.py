@@ -1,15 +1,19 @@
-"""Shared helpers for tests that run the real entry point in a subprocess.
+"""Shared helpers for tests that run the real entry point (in a subprocess, or in-process).
 
 `launch(...)` starts `align_anything.train` the way a user would (plain `python -m`, the
 deepspeed launcher, or torchrun), offline, with a fresh loopback port per launch and a hard
 timeout that kills the whole process group and fails the test instead of hanging CI.
 
-Runs that several tests read (the single-rank SFT / DPO / RM recipes, the 2-rank DPO runs) are
-session-scoped fixtures here, so test_recipes.py and test_distributed.py share them: each launch
-costs 15-30 s on a CPU runner.
+`run_inline(...)` runs the same entry point in this process instead, for tests of what a run
+computes rather than of how a process behaves: a launch spends 5-10 s on imports alone.
+
+Runs that several test files read (the single-rank SFT / DPO / RM recipes, a finished SFT run
+with checkpoints) are session-scoped fixtures here, run in-process: under `make test` each pytest
+worker that needs one runs it once (a few seconds). Runs that cost more are module-scoped in the
+one file that reads them (`--dist loadfile` keeps a file in one worker).
 
 Every test that starts a run must carry the `slow` marker (`make test-fast` leaves those out):
-`spawn` and `finish` fail a test that is not marked.
+`spawn`, `finish` and `run_inline` fail a test that is not marked.
 """
 
 from __future__ import annotations
@@ -67,6 +71,41 @@ def pytest_configure(config: pytest.Config) -> None:
     wait for each other. Set before any test module imports torch."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# The test files that take longest, longest first (one worker, `--durations=0`, summed per
+# file). `make test` hands each of its workers whole files in collection order (`--dist
+# loadfile --no-loadscope-reorder`), so the long files start first and the short ones fill the
+# end: two workers then finish within a short file of each other. A file not listed runs after
+# these, in name order; a stale list costs balance, never a test.
+LONGEST_FIRST = (
+    "test_scripts.py",
+    "test_fault_tolerance.py",
+    "test_grpo_runs.py",
+    "test_ppo_runs.py",
+    "test_distributed.py",
+    "test_presets.py",
+    "test_lora.py",
+    "test_multimodal.py",
+    "test_diffusion_runs.py",
+    "test_packing.py",
+    "test_data_errors.py",
+    "test_kto_runs.py",
+    "test_data_cache.py",
+    "test_ema.py",
+    "test_universal_resume.py",
+    "test_output_dir.py",
+    "test_dpo_loss_types.py",
+    "test_data_past_one_batch.py",
+    "test_checkpoints.py",
+    "test_recipes.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The longest files first (`LONGEST_FIRST`); within a file, pytest's order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -297,6 +336,147 @@ def launch(
     return finish(proc, output_dir, timeout_s=timeout_s)
 
 
+# ---------------------------------------------------------------------------- launch scripts
+# scripts/*.sh as a user runs them. Each one-machine script trains 2 CPU ranks in some test
+# (test_scripts.py checks that none is left out): in the file whose comparison needs a 2-rank
+# run of that task, the run goes through the script, and `assert_script_trained` checks what
+# the script must give, so that no 2-rank run is launched twice.
+SCRIPTS = REPO_ROOT / "scripts"
+SCRIPT_TASKS = "sft|dpo|rm|kto|grpo|rloo|ppo|diffusion_sft|diffusion_dpo"
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
+    for name in ("NUM_GPUS", "PRESET", "TASK", "MODEL", "OUTPUT_DIR", "DRY_RUN", "MASTER_ADDR"):
+        env.pop(name, None)
+    env.update(
+        # The venv's deepspeed / torchrun, found after the rest of PATH: put first, the venv's
+        # own `ninja` would shadow the system one, and DeepSpeed's JIT-built ops (keyed by
+        # ninja's command hash, which differs between ninja versions) would rebuild, ~1 min.
+        PATH=f"{env.get('PATH', '')}{os.pathsep}{BIN_DIR}",
+        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1", NO_COLOR="1", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    env.update(extra)
+    return env
+
+
+def script_overrides(overrides: list[str]) -> list[str]:
+    """A test's run arguments for a script, which sets `task=` and `deepspeed=` itself (each
+    key once, see `merged`)."""
+    return [
+        a for a in merged(overrides) if not a.startswith(("task=", "deepspeed=", "output_dir="))
+    ]
+
+
+def run_script(
+    script: str, output_dir: Path, args: list[str], *, env: dict[str, str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> RunResult:  # fmt: skip
+    """`bash scripts/<script> args...` with the environment `env` (NUM_GPUS, PRESET, TASK...)
+    and OUTPUT_DIR=output_dir, on a fresh port; waits for it like `launch`."""
+    proc = subprocess.Popen(
+        ["bash", str(SCRIPTS / script), *args],
+        cwd=REPO_ROOT,
+        env=script_env(OUTPUT_DIR=str(output_dir), MASTER_PORT=str(free_port()), **(env or {})),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+        start_new_session=True,
+    )  # fmt: skip
+    return finish(proc, output_dir, timeout_s=timeout_s)
+
+
+def assert_script_trained(run: RunResult, *, stage: int, steps: int) -> None:
+    """What a launch script must give on 2 CPU ranks: both ranks in the run, the ZeRO stage the
+    script's preset names, every step logged, and only rank 0 printing (one start-up summary,
+    one progress line per step)."""
+    run.check()
+    assert re.search(r"^\s+world size\s+2 ", run.output, re.MULTILINE), run.output[-3000:]
+    assert run.zero_stage() == stage
+    assert [m["step"] for m in run.train_steps()] == list(range(1, steps + 1))
+    assert len(re.findall(rf"^align_anything ({SCRIPT_TASKS})$", run.output, re.MULTILINE)) == 1
+    for step in range(1, steps + 1):
+        assert len(re.findall(rf"^step {step}/{steps} ", run.output, re.MULTILINE)) == 1
+
+
+# What `spawn` sets for every run, set around an in-process run too (see `run_inline`).
+INLINE_ENV = {
+    "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    "NO_COLOR": "1",
+}  # fmt: skip
+
+
+def run_inline(
+    overrides: list[str], output_dir: Path, *, extra_env: dict[str, str] | None = None
+) -> RunResult:
+    """Run the entry point in this process: `align_anything.train.main(overrides +
+    output_dir=...)` (each key once, see `merged`), one rank; what it prints (at the Python and
+    the file-descriptor level, e.g. the data workers' lines) captured into `RunResult.output`,
+    as `launch` would return it.
+
+    For tests of what a run computes and writes (losses, metrics, checkpoints, exports), not of
+    how a process behaves (signals, launchers, exit of a killed process, several ranks): a launch
+    spends 5-10 s importing torch, transformers, deepspeed and datasets, which this process has
+    already done. As in `spawn`: hub offline, no inherited rank variables, one compute thread.
+    The run's own clean-up destroys its process group; the rank variables the one-process group
+    set, and the environment and thread count set here, are restored afterwards, so in-process
+    runs stay independent of each other and of the tests around them. An exception escaping
+    `main` (a bug: user errors are exit status 2) is returned as exit status 1 with its
+    traceback in the output, as a process would end.
+    """
+    _require_slow_marker("runs align_anything.train in-process")
+    import tempfile
+    import traceback
+
+    import huggingface_hub.constants
+    import torch
+
+    from align_anything.train import main
+
+    env = {**INLINE_ENV, **(extra_env or {})}
+    saved_env = {name: os.environ.get(name) for name in (*env, *DIST_ENV_VARS)}
+    saved_offline = huggingface_hub.constants.HF_HUB_OFFLINE
+    saved_threads = torch.get_num_threads()
+    for name in DIST_ENV_VARS:
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    torch.set_num_threads(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_fds = os.dup(1), os.dup(2)
+    with tempfile.TemporaryDirectory(prefix="inline-") as scratch:
+        log_path = Path(scratch) / "output.log"
+        # One file for Python's writes (line-buffered) and for fds 1 and 2 (C code, the data
+        # workers): appends from both land in order.
+        with open(log_path, "a", buffering=1, encoding="utf-8", errors="replace") as sink:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            try:
+                with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                    try:
+                        returncode = main(merged([*overrides, f"output_dir={output_dir}"]))
+                    except SystemExit as stop:
+                        returncode = stop.code if isinstance(stop.code, int) else 1
+                    except Exception:
+                        traceback.print_exc()
+                        returncode = 1
+            finally:
+                sink.flush()
+                os.dup2(saved_fds[0], 1)
+                os.dup2(saved_fds[1], 2)
+                for fd in saved_fds:
+                    os.close(fd)
+                torch.set_num_threads(saved_threads)
+                huggingface_hub.constants.HF_HUB_OFFLINE = saved_offline
+                for name, value in saved_env.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+        output = log_path.read_text(encoding="utf-8", errors="replace")
+    return RunResult(returncode, output, _read_metrics(output_dir / "metrics.jsonl"), output_dir)
+
+
 # ---------------------------------------------------------------------------- shared runs
 
 # Short, deterministic recipe runs: tiny random Llama, CPU fp32, seed 42, 4 optimizer steps of a
@@ -331,7 +511,7 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def sft_single(runs_dir: Path) -> RunResult:
     """SFT, 1 rank × micro-batch 4, ZeRO-0: the frozen-loss recipe and the 1-rank baseline."""
-    return launch(
+    return run_inline(
         [*SFT_ARGS, "deepspeed=z0", "train.per_device_batch_size=4"], runs_dir / "sft-1rank"
     )
 
@@ -339,7 +519,7 @@ def sft_single(runs_dir: Path) -> RunResult:
 @pytest.fixture(scope="session")
 def dpo_single(runs_dir: Path) -> RunResult:
     """DPO (sigmoid, precomputed reference), 1 rank × micro-batch 4, ZeRO-0."""
-    return launch(
+    return run_inline(
         [*DPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=4"], runs_dir / "dpo-1rank"
     )
 
@@ -347,31 +527,9 @@ def dpo_single(runs_dir: Path) -> RunResult:
 @pytest.fixture(scope="session")
 def rm_single(runs_dir: Path) -> RunResult:
     """Reward model on the built-in pairs, 1 rank × micro-batch 4, ZeRO-0."""
-    return launch(
+    return run_inline(
         [*RM_ARGS, "deepspeed=z0", "train.per_device_batch_size=4"], runs_dir / "rm-1rank"
     )
-
-
-@pytest.fixture(scope="session")
-def dpo_two_ranks(runs_dir: Path) -> dict[tuple[str, str], RunResult]:
-    """DPO sigmoid on 2 ranks × micro-batch 2 through the deepspeed launcher, keyed by
-    (preset, reference): every stage with a precomputed reference, and ZeRO-3 with the reference
-    kept as a partitioned model (the path most likely to differ)."""
-    cases = [("z0", "precompute"), ("z2", "precompute"), ("z3", "precompute"), ("z3", "model")]
-    return {
-        (preset, reference): launch(
-            [
-                *DPO_ARGS,
-                f"deepspeed={preset}",
-                f"dpo.reference={reference}",
-                "train.per_device_batch_size=2",
-            ],
-            runs_dir / f"dpo-2rank-{preset}-{reference}",
-            launcher="deepspeed",
-            nproc=2,
-        )
-        for preset, reference in cases
-    }
 
 
 def copy_tiny_model(dest: Path) -> Path:
@@ -396,7 +554,7 @@ FINISHED_ARGS = [
 
 @pytest.fixture(scope="session")
 def finished_run(runs_dir: Path) -> RunResult:
-    return launch(FINISHED_ARGS, runs_dir / "finished-sft").check()
+    return run_inline(FINISHED_ARGS, runs_dir / "finished-sft").check()
 
 
 def copy_run(run: RunResult, dest: Path) -> Path:

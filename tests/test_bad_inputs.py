@@ -491,8 +491,8 @@ def test_score_and_plot_refuse_an_out_in_a_missing_folder_before_any_work(
 
 
 # ---------------------------------------------------------------------------- reward output
-# Whole runs in a subprocess (DeepSpeed keeps process-group state that a second in-process run
-# cannot reuse). One short GRPO step on the tiny model; the functions are in rl_test_rewards.py.
+# Whole runs, in-process (conftest.run_inline; the run's clean-up leaves no process-group state
+# behind). One short GRPO step on the tiny model; the functions are in rl_test_rewards.py.
 GRPO_STEP = [
     "task=grpo", TINY, "deepspeed=z0", "grpo.max_completion_length=4", "grpo.num_generations=2",
     "train.per_device_batch_size=2", "grpo.eval_samples=0", "train.max_steps=1",
@@ -512,13 +512,10 @@ GRPO_STEP = [
 def test_unusable_reward_output_stops_the_run_naming_function_and_row(
     function: str, fragment: str, tmp_path: Path
 ) -> None:
-    from conftest import launch, tail
+    from conftest import run_inline, tail
 
     out = tmp_path / "run"
-    run = launch(
-        [*GRPO_STEP, f"reward.functions=[rl_test_rewards:{function}]"], out,
-        extra_env={"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])},
-    )  # fmt: skip
+    run = run_inline([*GRPO_STEP, f"reward.functions=[rl_test_rewards:{function}]"], out)
     assert run.returncode == 2, tail(run.output)
     assert (
         f"error: reward in step 1 failed, before that step's optimizer update: reward function "

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, REPO_ROOT, RunResult, copy_tiny_model, launch
+from conftest import COMMON, REPO_ROOT, RunResult, copy_tiny_model, run_inline
 from safetensors.torch import load_file
 
-# End to end: every test here launches the real trainer (conftest.launch).
+# End to end: every test here runs the real trainer, in-process (conftest.run_inline: one rank,
+# what is tested is what the runs write and compute).
 pytestmark = pytest.mark.slow
 
 STEPS = 4
@@ -29,7 +30,7 @@ SFT_CHECKPOINTED = [
 @pytest.fixture(scope="module")
 def z2_run(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """SFT under ZeRO-2, 4 steps, a checkpoint every 2 (only the newest kept)."""
-    return launch(
+    return run_inline(
         [*SFT_CHECKPOINTED, "deepspeed=z2"], tmp_path_factory.mktemp("z2") / "run"
     ).check()
 
@@ -45,13 +46,13 @@ def test_checkpoints_are_complete_and_pruned(z2_run: RunResult) -> None:
 
 
 def test_resume_equals_uninterrupted(z2_run: RunResult, tmp_path: Path) -> None:
-    # A second 4-step run keeps its step-2 checkpoint; a new process resumes from it. (Resume
+    # A second 4-step run keeps its step-2 checkpoint; a new run resumes from it. (Resume
     # after SIGKILL mid-run belongs to the fault-tolerance tests.)
     first = tmp_path / "first"
-    launch([*SFT_CHECKPOINTED, "deepspeed=z2", "checkpoint.keep_last=2"], first).check()
+    run_inline([*SFT_CHECKPOINTED, "deepspeed=z2", "checkpoint.keep_last=2"], first).check()
     step2 = first / "checkpoints" / "step-2"
     assert step2.is_dir()
-    resumed = launch(
+    resumed = run_inline(
         [*SFT_CHECKPOINTED, "deepspeed=z2", f"resume={step2}"], tmp_path / "resumed"
     ).check()
     assert "resumed         from" in resumed.output
@@ -69,7 +70,7 @@ def test_resume_auto_skips_incomplete_checkpoints(z2_run: RunResult, tmp_path: P
     # A save killed mid-way leaves a temporary folder, or a step folder without trainer state.
     (root / ".tmp-step-6").mkdir()
     (root / "step-8" / "deepspeed").mkdir(parents=True)
-    result = launch(
+    result = run_inline(
         [*SFT_CHECKPOINTED, "deepspeed=z2", "resume=auto", "train.max_steps=5"], run_dir
     ).check()
     assert f"from {root / 'step-4'} at step 4" in result.output
@@ -77,13 +78,15 @@ def test_resume_auto_skips_incomplete_checkpoints(z2_run: RunResult, tmp_path: P
 
 
 def test_resume_from_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
-    result = launch([*SFT_CHECKPOINTED, f"resume={tmp_path}"], tmp_path / "run")
+    result = run_inline([*SFT_CHECKPOINTED, f"resume={tmp_path}"], tmp_path / "run")
     assert result.returncode == 2
     assert "is not a complete align_anything checkpoint" in result.output
 
 
 def test_export_of_a_zero3_checkpoint_equals_the_final_folder(tmp_path: Path) -> None:
-    run = launch([*SFT_CHECKPOINTED, "deepspeed=z3", "train.max_steps=2"], tmp_path / "z3").check()
+    run = run_inline(
+        [*SFT_CHECKPOINTED, "deepspeed=z3", "train.max_steps=2"], tmp_path / "z3"
+    ).check()
     out = tmp_path / "exported"
     subprocess.run(
         [sys.executable, "-m", "align_anything", "export", str(run.output_dir / "checkpoints" / "step-2"),
@@ -133,7 +136,7 @@ def test_score_command_matches_the_model(rm_single: RunResult, tmp_path: Path) -
 def test_resume_refuses_different_data(z2_run: RunResult, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     shutil.copytree(z2_run.output_dir, run_dir)
-    result = launch([*SFT_CHECKPOINTED, "deepspeed=z2", "resume=auto",
+    result = run_inline([*SFT_CHECKPOINTED, "deepspeed=z2", "resume=auto",
                      "data.max_train_samples=200"], run_dir)  # fmt: skip
     assert result.returncode == 2
     assert f"resume from {run_dir / 'checkpoints' / 'step-4'} refused" in result.output
@@ -151,7 +154,7 @@ def test_resume_refuses_a_different_model_and_tokenizer_unless_allowed(
     run_dir = tmp_path / "run"
     shutil.copytree(z2_run.output_dir, run_dir)
     args = [*SFT_CHECKPOINTED, "deepspeed=z2", "resume=auto", f"model.name_or_path={model}"]
-    refused = launch(args, run_dir)
+    refused = run_inline(args, run_dir)
     assert refused.returncode == 2
     assert f"model.name_or_path: checkpoint 'tiny-random-llama', this run '{model}'" in (
         refused.output
@@ -160,7 +163,7 @@ def test_resume_refuses_a_different_model_and_tokenizer_unless_allowed(
         refused.output
     )
     assert "training data" in refused.output  # the template changes every encoded row
-    allowed = launch([*args, "checkpoint.allow_mismatch=true", "train.max_steps=5"], run_dir)
+    allowed = run_inline([*args, "checkpoint.allow_mismatch=true", "train.max_steps=5"], run_dir)
     allowed.check()
     assert "warning: resuming from" in allowed.output and _printed(allowed) == [5]
 

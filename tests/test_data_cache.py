@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import HH_FILE, TINY_MODEL, launch
+from conftest import HH_FILE, TINY_MODEL, launch, run_inline
 
 from align_anything.data import cache as data_cache
 from align_anything.data.formats import load_records, unpair
@@ -373,11 +373,11 @@ RUN = ["task=dpo", TINY, "train.precision=fp32", "train.max_steps=2", "data.max_
 @pytest.mark.slow
 def test_cache_miss_then_hit_through_the_entry_point(tmp_path: Path) -> None:
     args = [*RUN, f"data.cache_dir={tmp_path / 'cache'}"]
-    first = launch(args, tmp_path / "first").check()
+    first = run_inline(args, tmp_path / "first").check()
     assert "data: rank 0 tokenising" in first.output
     line = first.summary_line("data cache")
     assert "tokenised " in line and f"(cached at {tmp_path / 'cache'}" in line
-    second = launch(args, tmp_path / "second").check()
+    second = run_inline(args, tmp_path / "second").check()
     assert "tokenising" not in second.output  # no tokenisation at all
     assert "cache hit " in second.summary_line("data cache")
     assert second.losses() == first.losses()
@@ -400,7 +400,7 @@ def test_two_ranks_share_one_cache_and_only_rank_0_tokenises(tmp_path: Path) -> 
     manifest = json.loads((entry / data_cache.MANIFEST).read_text())
     assert manifest["built_by"]["rank"] == "0"
     # One rank with the same global batch (micro 4 x accumulation 2): a hit, the same losses.
-    one = launch([*args, "train.gradient_accumulation_steps=2"], tmp_path / "one").check()
+    one = run_inline([*args, "train.gradient_accumulation_steps=2"], tmp_path / "one").check()
     assert "cache hit " in one.summary_line("data cache")
     assert one.losses() == pytest.approx(two.losses(), rel=1e-5)
 
@@ -424,12 +424,12 @@ def test_grpo_prompts_cache_miss_then_hit_through_the_entry_point(tmp_path: Path
     ))  # fmt: skip
     mixed = f"data.path=[{{path: arith-prompts, rows: 24}}, {{path: {conversations}}}]"
     args = [*GRPO_RUN, mixed, f"data.cache_dir={tmp_path / 'cache'}"]
-    first = launch(args, tmp_path / "first").check()
+    first = run_inline(args, tmp_path / "first").check()
     assert "data: rank 0 tokenising 96 rows" in first.output  # 24 + 8 + 64 held out
     line = first.summary_line("data cache")
     assert "tokenised 96 rows in " in line and f"(cached at {tmp_path / 'cache'}" in line
     assert "train mixture of 2 sources, 32 rows:" in first.output
-    second = launch(args, tmp_path / "second").check()
+    second = run_inline(args, tmp_path / "second").check()
     assert "tokenising" not in second.output
     assert "cache hit " in second.summary_line("data cache")
     assert len(first.train_steps()) == 1

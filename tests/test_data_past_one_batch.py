@@ -18,11 +18,12 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY_MODEL, launch
+from conftest import TINY_MODEL, run_inline
 
 from align_anything.data.convert import LABEL_SHAPE
 from align_anything.data.synthetic import make_dataset
 
+# The runs are in-process (conftest.run_inline): what is tested is what they report.
 pytestmark = pytest.mark.slow
 
 ROWS = 4400  # 2 worker processes take 2,200 rows each (MIN_ROWS_PER_PROCESS is 2,000)
@@ -95,7 +96,7 @@ def test_drops_past_the_first_writer_batch_are_reported_by_line(
     kind: str, num_proc: int, tmp_path: Path
 ) -> None:
     data = _write_rows(tmp_path / f"{kind}.jsonl", kind)
-    run = launch(
+    run = run_inline(
         [
             *COMMON,
             *TASK_ARGS[kind],
@@ -156,12 +157,12 @@ def test_media_rows_past_the_first_writer_batch(
         "checkpoint.save_final=false", f"data.num_proc={num_proc}",
         f"data.cache_dir={tmp_path / 'cache'}",
     ]  # fmt: skip
-    run = launch([*args, f"data.path={good}"], tmp_path / "run").check()
+    run = run_inline([*args, f"data.path={good}"], tmp_path / "run").check()
     assert len(run.train_steps()) == 1
     assert f"1  unknown role 'robot' in column 'messages' (line {MEDIA_DROP})" in run.output
     assert f"kept {MEDIA_ROWS - 2} of {MEDIA_ROWS - 1} rows, dropped 1 " in run.output
     assert f"(line {MEDIA_LONG})" in run.output, run.output[-4000:]
-    failed = launch([*args, f"data.path={bad}"], tmp_path / "failed")
+    failed = run_inline([*args, f"data.path={bad}"], tmp_path / "failed")
     assert failed.returncode == 2, failed.output[-4000:]
     assert "Traceback" not in failed.output
     missing = bad.parent / "images" / "missing.png"

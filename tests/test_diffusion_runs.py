@@ -22,10 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RunResult, launch
+from conftest import RunResult, assert_script_trained, run_inline, run_script, script_overrides
 
 from align_anything.families.text_to_image import shapes
 
+# End to end: the 2-rank run goes through scripts/diffusion_dpo.sh (conftest.run_script), the
+# 1-rank runs are in-process (conftest.run_inline).
 pytestmark = pytest.mark.slow
 
 # Short runs: one sample image of one sampler step, no pixel check, fp32 on the CPU.
@@ -82,7 +84,7 @@ def unet_state(folder: Path, part: str = "unet") -> dict[str, torch.Tensor]:
 def sft_run(data: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """Diffusion fine-tuning, ZeRO-2, 3 steps of 2 images, EMA, a grid every 2 steps, a
     checkpoint at step 3."""
-    return launch(
+    return run_inline(
         [
             *sft_args(data),
             "deepspeed=z2",
@@ -126,7 +128,7 @@ def test_fine_tuning_the_builtin_model_lowers_its_held_out_denoising_loss(
     0.0009.) The gain is small by nature: the base model already draws these shapes; what true
     captions add is their colour, which tells the denoiser most at high noise levels, where the
     epsilon MSE is small."""
-    run = launch(
+    run = run_inline(
         [
             "task=diffusion_sft",
             "train.precision=fp32",
@@ -138,7 +140,6 @@ def test_fine_tuning_the_builtin_model_lowers_its_held_out_denoising_loss(
             "logging.sample_prompts=[a_red_circle]",
         ],  # fmt: skip
         tmp_path / "run",
-        timeout_s=600,
     ).check()
     assert "t2i-shapes-val: kept 256 of 256 rows" in run.output
     assert "4 fixed noise draws" in run.summary_line("held-out loss")
@@ -178,11 +179,12 @@ def test_export_of_a_zero2_checkpoint_is_the_final_pipeline(sft_run: RunResult,
 
 @pytest.fixture(scope="module")
 def t2i_dpo_two_ranks(data: Path, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
-    """Diffusion-DPO, 2 ranks x 1 pair under ZeRO-2, 4 steps, checkpoints at 2 and 4."""
-    args = [*dpo_args(data), "deepspeed=z2", "train.per_device_batch_size=1"]
-    return launch(
-        [*args, "checkpoint.every_steps=2"], tmp_path_factory.mktemp("dpo") / "z2-2ranks",
-        launcher="deepspeed", nproc=2,
+    """Diffusion-DPO, 2 ranks x 1 pair under ZeRO-2, 4 steps, checkpoints at 2 and 4; through
+    scripts/diffusion_dpo.sh (PRESET=z2, --num_gpus 2: the deepspeed launcher)."""
+    args = [*script_overrides(dpo_args(data)), "train.per_device_batch_size=1"]
+    return run_script(
+        "diffusion_dpo.sh", tmp_path_factory.mktemp("dpo") / "z2-2ranks",
+        ["--num_gpus", "2", *args, "checkpoint.every_steps=2"], env={"PRESET": "z2"},
     ).check()  # fmt: skip
 
 
@@ -204,7 +206,7 @@ def close_steps(got: RunResult, expected: RunResult, steps: list[int]) -> None:
 def test_two_ranks_under_zero2_equal_one_rank_under_zero3(
     t2i_dpo_two_ranks: RunResult, data: Path, tmp_path: Path
 ) -> None:
-    one = launch(
+    one = run_inline(
         [*dpo_args(data), "deepspeed=z3", "train.per_device_batch_size=2"], tmp_path / "z3-1rank"
     ).check()
     assert t2i_dpo_two_ranks.zero_stage() == 2 and one.zero_stage() == 3
@@ -221,7 +223,7 @@ def test_resume_of_the_two_rank_zero2_checkpoint_on_one_rank_under_zero3(
     t2i_dpo_two_ranks: RunResult, tmp_path: Path, data: Path
 ) -> None:
     step2 = t2i_dpo_two_ranks.output_dir / "checkpoints" / "step-2"
-    resumed = launch(
+    resumed = run_inline(
         [*dpo_args(data), "deepspeed=z3", "train.per_device_batch_size=2", f"resume={step2}"],
         tmp_path / "resumed",
     ).check()
@@ -241,7 +243,7 @@ def test_lora_under_zero3_saves_a_trained_adapter_diffusers_loads(
 
     from align_anything.families.zoo import resolve_model_path
 
-    run = launch(
+    run = run_inline(
         [
             *dpo_args(data, "tiny-random-sd3"),
             "deepspeed=z3",
@@ -267,3 +269,8 @@ def test_lora_under_zero3_saves_a_trained_adapter_diffusers_loads(
     pipe.load_lora_weights(str(final))
     loaded = {n for n, _ in pipe.transformer.named_parameters() if "lora" in n}
     assert len(loaded) == len(weights)
+
+
+def test_script_trains_on_two_cpu_ranks(t2i_dpo_two_ranks: RunResult) -> None:
+    """test_scripts.py's check of scripts/diffusion_dpo.sh, on its run above."""
+    assert_script_trained(t2i_dpo_two_ranks, stage=2, steps=4)

@@ -14,9 +14,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RECIPE_STEPS, RM_ARGS, SFT_ARGS, RunResult, launch
+from conftest import (
+    DPO_ARGS,
+    RECIPE_STEPS,
+    RM_ARGS,
+    SFT_ARGS,
+    RunResult,
+    assert_script_trained,
+    launch,
+    run_inline,
+    run_script,
+    script_overrides,
+)
+from test_recipes import _assert_step0_is_ln2
 
-# End to end: every test here launches the real trainer (conftest.launch).
+# End to end: the 2-rank runs are launched (conftest.launch, or the launch scripts through
+# conftest.run_script), the 1-rank ones run in-process (conftest.run_inline).
 pytestmark = pytest.mark.slow
 
 # Largest |loss difference| allowed between splits of the same global batch. Observed here:
@@ -28,15 +41,16 @@ LOSS_ATOL = 1e-5
 # (one rank's norm, a norm before averaging over ranks or micro-batches) are off by 30% or more.
 GRAD_NORM_RTOL = 1e-3
 
-# (name, launcher, ranks, preset, overrides): 2 ranks × micro 2 on each stage, 1 rank × micro 1 ×
+# (name, how it starts, preset, overrides): 2 ranks × micro 2 on each stage, 1 rank × micro 1 ×
 # accumulation 4, all global batch 4 like the 1-rank × micro 4 baseline (conftest.sft_single).
-# The 2-rank ZeRO-0 case goes through torchrun, the others through the deepspeed launcher, so
-# both launchers are covered without a fifth multi-rank launch.
+# The 2-rank ZeRO-0 case goes through torchrun (scripts/torchrun.sh), the others through the
+# deepspeed launcher (ZeRO-2 through scripts/sft.sh), so both launchers and both scripts are
+# covered without another multi-rank launch; the 1-rank case runs in-process.
 SFT_SPLITS = [
-    ("z0-2rank-torchrun", "torchrun", 2, "z0", ["train.per_device_batch_size=2"]),
-    ("z2-2rank", "deepspeed", 2, "z2", ["train.per_device_batch_size=2"]),
-    ("z3-2rank", "deepspeed", 2, "z3", ["train.per_device_batch_size=2"]),
-    ("z0-1rank-accum4", "python", 1, "z0",
+    ("z0-2rank-torchrun", "torchrun.sh", "z0", ["train.per_device_batch_size=2"]),
+    ("z2-2rank", "sft.sh", "z2", ["train.per_device_batch_size=2"]),
+    ("z3-2rank", "deepspeed", "z3", ["train.per_device_batch_size=2"]),
+    ("z0-1rank-accum4", "in-process", "z0",
      ["train.per_device_batch_size=1", "train.gradient_accumulation_steps=4"]),
 ]  # fmt: skip
 STAGE_OF_PRESET = {"z0": 0, "z2": 2, "z3": 3}
@@ -44,15 +58,24 @@ STAGE_OF_PRESET = {"z0": 0, "z2": 2, "z3": 3}
 
 @pytest.fixture(scope="module")
 def sft_splits(runs_dir: Path) -> dict[str, RunResult]:
-    return {
-        name: launch(
-            [*SFT_ARGS, f"deepspeed={preset}", *overrides],
-            runs_dir / f"sft-{name}",
-            launcher=launcher,
-            nproc=ranks,
-        )
-        for name, launcher, ranks, preset, overrides in SFT_SPLITS
-    }
+    runs = {}
+    for name, how, preset, overrides in SFT_SPLITS:
+        args, output_dir = [*SFT_ARGS, f"deepspeed={preset}", *overrides], runs_dir / f"sft-{name}"
+        if how == "in-process":
+            runs[name] = run_inline(args, output_dir)
+        elif how == "deepspeed":
+            runs[name] = launch(args, output_dir, launcher="deepspeed", nproc=2)
+        elif how == "sft.sh":
+            runs[name] = run_script(
+                "sft.sh", output_dir, ["--num_gpus", "2", "--preset", preset,
+                                       *script_overrides(args)],
+            )  # fmt: skip
+        else:
+            runs[name] = run_script(
+                "torchrun.sh", output_dir, script_overrides(args),
+                env={"TASK": "sft", "NUM_GPUS": "2", "PRESET": preset},
+            )  # fmt: skip
+    return runs
 
 
 def _assert_same_losses(run: RunResult, baseline: RunResult, what: str) -> None:
@@ -85,7 +108,7 @@ def test_sft_zero_stages_agree_with_each_other(sft_splits: dict[str, RunResult])
         assert worst <= LOSS_ATOL, f"{name} vs {SFT_SPLITS[0][0]}: {losses} vs {reference}"
 
 
-@pytest.mark.parametrize(("name", "preset"), [(case[0], case[3]) for case in SFT_SPLITS])
+@pytest.mark.parametrize(("name", "preset"), [(case[0], case[2]) for case in SFT_SPLITS])
 def test_engine_runs_the_zero_stage_asked_for(
     name: str, preset: str, sft_splits: dict[str, RunResult]
 ) -> None:
@@ -101,6 +124,51 @@ def test_engine_runs_the_zero_stage_asked_for(
     )
     world = 2 if "2rank" in name else 1
     assert f"world size      {world} " in run.output
+
+
+@pytest.fixture(scope="module")
+def dpo_two_ranks(runs_dir: Path) -> dict[tuple[str, str], RunResult]:
+    """DPO sigmoid on 2 ranks × micro-batch 2 through the deepspeed launcher, keyed by
+    (preset, reference): every stage with a precomputed reference, and ZeRO-3 with the reference
+    kept as a partitioned model (the path most likely to differ). ZeRO-3 with a precomputed
+    reference goes through scripts/dpo.sh (NUM_GPUS=2, its default preset z3)."""
+    cases = [("z0", "precompute"), ("z2", "precompute"), ("z3", "model")]
+    runs = {
+        (preset, reference): launch(
+            [
+                *DPO_ARGS,
+                f"deepspeed={preset}",
+                f"dpo.reference={reference}",
+                "train.per_device_batch_size=2",
+            ],
+            runs_dir / f"dpo-2rank-{preset}-{reference}",
+            launcher="deepspeed",
+            nproc=2,
+        )
+        for preset, reference in cases
+    }
+    runs[("z3", "precompute")] = run_script(
+        "dpo.sh", runs_dir / "dpo-2rank-z3-precompute",
+        [*script_overrides(DPO_ARGS), "dpo.reference=precompute", "train.per_device_batch_size=2"],
+        env={"NUM_GPUS": "2"},
+    )  # fmt: skip
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("preset", "reference", "stage"),
+    [("z0", "precompute", 0), ("z2", "precompute", 2), ("z3", "precompute", 3), ("z3", "model", 3)],
+)
+def test_dpo_step0_loss_is_ln2_two_ranks(
+    preset: str, reference: str, stage: int, dpo_two_ranks: dict[tuple[str, str], RunResult]
+) -> None:
+    """2 ranks × micro 2 through the deepspeed launcher, the reference precomputed or kept as a
+    (ZeRO-3 partitioned) model: step 0 is still ln 2 on every stage."""
+    run = dpo_two_ranks[(preset, reference)]
+    _assert_step0_is_ln2(run)
+    assert run.zero_stage() == stage
+    expected = "precomputed" if reference == "precompute" else "partitioned ZeRO-3 inference engine"
+    assert expected in run.summary_line("reference")
 
 
 @pytest.mark.parametrize("reference", ["precompute", "model"])
@@ -144,18 +212,40 @@ def test_dpo_zero3_export_holds_the_trained_weights(
     assert logps[8:].mean().item() == pytest.approx(after["eval/logps/rejected"], rel=1e-5)
 
 
-def test_rm_new_score_head_is_the_same_on_every_stage(rm_single: RunResult, runs_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def rm_two_ranks(runs_dir: Path) -> RunResult:
+    """The reward model on 2 ranks × micro-batch 2 under ZeRO-3, through scripts/rm.sh
+    (PRESET=z3, --num_gpus=2)."""
+    return run_script(
+        "rm.sh", runs_dir / "rm-2rank-z3",
+        ["--num_gpus=2", *script_overrides(RM_ARGS), "train.per_device_batch_size=2"],
+        env={"PRESET": "z3"},
+    )  # fmt: skip
+
+
+def test_rm_new_score_head_is_the_same_on_every_stage(
+    rm_two_ranks: RunResult, rm_single: RunResult
+) -> None:
     """A reward model built from a causal LM gets a new, randomly initialised score head; 2
     ranks under ZeRO-3 (head built under zero.Init, partitioned) start from the same head as 1
     rank under ZeRO-0, so the eval before training and every step's loss agree."""
-    run = launch(
-        [*RM_ARGS, "deepspeed=z3", "train.per_device_batch_size=2"],
-        runs_dir / "rm-2rank-z3",
-        launcher="deepspeed",
-        nproc=2,
-    ).check()
+    run = rm_two_ranks.check()
     assert run.zero_stage() == 3
     before, expected = run.eval("before"), rm_single.check().eval("before")
     assert before["eval/loss"] == pytest.approx(expected["eval/loss"], rel=1e-5)
     assert before["eval/accuracy"] == expected["eval/accuracy"]
     _assert_same_losses(run, rm_single, "RM z3 2 ranks")
+
+
+@pytest.mark.parametrize(("script", "stage"), [("sft.sh", 2), ("torchrun.sh", 0), ("dpo.sh", 3),
+                                               ("rm.sh", 3)])  # fmt: skip
+def test_script_trains_on_two_cpu_ranks(
+    script: str, stage: int, sft_splits: dict[str, RunResult],
+    dpo_two_ranks: dict[tuple[str, str], RunResult], rm_two_ranks: RunResult,
+) -> None:  # fmt: skip
+    """test_scripts.py's check of a launch script, on the runs above that went through one."""
+    run = {
+        "sft.sh": sft_splits["z2-2rank"], "torchrun.sh": sft_splits["z0-2rank-torchrun"],
+        "dpo.sh": dpo_two_ranks[("z3", "precompute")], "rm.sh": rm_two_ranks,
+    }[script]  # fmt: skip
+    assert_script_trained(run, stage=stage, steps=RECIPE_STEPS)

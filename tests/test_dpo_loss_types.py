@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DPO_ARGS, RunResult, launch
+from conftest import DPO_ARGS, RunResult, launch, run_inline
 
 from align_anything import config as config_module
 from align_anything.backend.ds_config import BatchPlan
@@ -267,7 +267,7 @@ def _same_metrics(run: RunResult, other: RunResult) -> None:
 @pytest.mark.parametrize("loss_type", sorted(STEP1_LOSSES))
 def test_new_loss_types_at_step_one(loss_type: str, runs_dir: Path) -> None:
     smoothing = [f"dpo.label_smoothing={EXO_EPSILON}"] if loss_type == "exo_pair" else []
-    run = launch(
+    run = run_inline(
         [*SHORT, "train.per_device_batch_size=4", "train.max_steps=1",
          f"dpo.loss_type={loss_type}", *smoothing],
         runs_dir / f"dpo-new-{loss_type}",
@@ -284,7 +284,7 @@ def test_new_loss_types_at_step_one(loss_type: str, runs_dir: Path) -> None:
 
 @pytest.mark.slow
 def test_mpo_step_one_is_the_weighted_sum(runs_dir: Path) -> None:
-    run = launch(
+    run = run_inline(
         [*SHORT, "train.per_device_batch_size=4", "train.max_steps=2",
          "dpo.loss_type=[sigmoid,bco_pair,sft]", "dpo.loss_weights=[0.8,0.2,1.0]"],
         runs_dir / "dpo-mpo",
@@ -300,8 +300,8 @@ def test_mpo_step_one_is_the_weighted_sum(runs_dir: Path) -> None:
 def test_rpo_alpha_and_sft_in_the_list_are_the_same_run(runs_dir: Path) -> None:
     """The main job's rpo_alpha: 1.0 and `loss_type=[sigmoid,sft]` give the same numbers."""
     common = [*SHORT, "train.per_device_batch_size=4", "train.max_steps=2"]
-    rpo = launch([*common, "dpo.rpo_alpha=1.0"], runs_dir / "dpo-rpo1").check()
-    listed = launch(
+    rpo = run_inline([*common, "dpo.rpo_alpha=1.0"], runs_dir / "dpo-rpo1").check()
+    listed = run_inline(
         [*common, "dpo.loss_type=[sigmoid,sft]", "dpo.rpo_alpha=0"], runs_dir / "dpo-list-sft"
     ).check()
     assert "nll_loss" in rpo.train_steps()[0]
@@ -317,7 +317,7 @@ def test_aot_two_ranks_match_one_rank_with_the_same_micro_batches(runs_dir: Path
         [*common, "train.gradient_accumulation_steps=2"], runs_dir / "dpo-aot-2rank",
         launcher="deepspeed", nproc=2,
     ).check()  # fmt: skip
-    one = launch(
+    one = run_inline(
         [*common, "train.gradient_accumulation_steps=4"], runs_dir / "dpo-aot-1rank"
     ).check()
     assert two.losses() == pytest.approx(one.losses(), abs=1e-5)

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SFT_ARGS, TINY_MODEL, RunResult, launch
+from conftest import SFT_ARGS, TINY_MODEL, RunResult, launch, run_inline
 from safetensors.torch import load_file
 
 from align_anything.backend.universal import checkpoint_state_dict
 from align_anything.families.zoo import resolve_model_path
 
-# End to end: every test here launches the real trainer (conftest.launch).
+# End to end: the 2-rank run is launched (conftest.launch), the 1-rank runs are in-process
+# (conftest.run_inline).
 pytestmark = pytest.mark.slow
 
 # decay 0.5 over two steps: e2 = 0.5·(0.5·w0 + 0.5·w1) + 0.5·w2 = 0.25·w0 + 0.25·w1 + 0.5·w2,
@@ -55,9 +56,9 @@ def test_ema_zero3_two_ranks_is_the_hand_derived_average(tmp_path: Path) -> None
 
 
 def test_ema_zero0_average_and_resume(tmp_path: Path) -> None:
-    run = launch([*EMA_ARGS, "deepspeed=z0"], tmp_path / "z0").check()
+    run = run_inline([*EMA_ARGS, "deepspeed=z0"], tmp_path / "z0").check()
     averaged = _check_average(run)
-    resumed = launch(
+    resumed = run_inline(
         [*EMA_ARGS, "deepspeed=z0", f"resume={run.output_dir / 'checkpoints' / 'step-1'}"],
         tmp_path / "resumed",
     ).check()

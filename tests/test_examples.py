@@ -8,19 +8,23 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, TINY_MODEL, launch
+from conftest import REPO_ROOT, TINY_MODEL, run_inline
 
-# End to end: every test here launches the real trainer (conftest.launch).
+# End to end: the README's command runs in-process (conftest.run_inline: `align_anything.train.main`
+# with its arguments), from the repository root as a user would.
 pytestmark = pytest.mark.slow
 
 BYO_README = REPO_ROOT / "examples" / "byo_dataset" / "README.md"
 
 
-def test_byo_dataset_command_maps_the_columns(tmp_path: Path) -> None:
+def test_byo_dataset_command_maps_the_columns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (block,) = re.findall(r"```bash\n(.*?)```", BYO_README.read_text(), flags=re.DOTALL)
     command = shlex.split(block.replace("\\\n", " "))
     assert command[:3] == ["python", "-m", "align_anything.train"], command
-    run = launch(
+    monkeypatch.chdir(REPO_ROOT)  # the command's paths are relative to it
+    run = run_inline(
         [*command[3:], f"model.name_or_path={TINY_MODEL}", "train.max_steps=1",
          "train.precision=fp32", "checkpoint.save_final=false"],
         tmp_path / "byo",

@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import COMMON, RunResult, _kill_group, finish, launch, spawn, tail
+from conftest import COMMON, RunResult, _kill_group, finish, launch, run_inline, spawn, tail
 
-# End to end: every test here launches the real trainer (conftest.launch).
+# End to end: every test here runs the real trainer. What a process does (signals, SIGKILL, a
+# dying rank, the launchers) is launched (conftest.launch / spawn); the runs these are compared
+# with, and failures that end in an exit status, run in-process (conftest.run_inline).
 pytestmark = pytest.mark.slow
 
 # Same process layout, same numbers: a resumed step's loss equals the uninterrupted one to
@@ -118,7 +120,7 @@ def _assert_losses_equal(got: dict[int, dict[str, Any]], expected: RunResult, at
 @pytest.fixture(scope="module")
 def sft_uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
     """The reference: SFT under ZeRO-2, 10 steps of a global batch of 2 on one rank."""
-    return launch(SFT, tmp_path_factory.mktemp("sft-ref") / "run").check()
+    return run_inline(SFT, tmp_path_factory.mktemp("sft-ref") / "run").check()
 
 
 def test_preempted_then_killed_then_resumed_equals_uninterrupted(
@@ -154,7 +156,7 @@ def test_preempted_then_killed_then_resumed_equals_uninterrupted(
 
     # 3. resume=auto after SIGKILL takes the newest complete checkpoint (a half-written one,
     # if the kill landed mid-save, is never picked) and the stitched curve equals the reference.
-    resumed = launch([*SFT, "resume=auto"], run_dir).check()
+    resumed = run_inline([*SFT, "resume=auto"], run_dir).check()
     assert _resumed_from(resumed) == newest
     assert _printed_steps(resumed)[0] == newest + 1
     _assert_losses_equal(_logged_steps(run_dir), sft_uninterrupted, SAME_LAYOUT_ATOL)
@@ -194,7 +196,7 @@ def test_two_ranks_preempted_and_killed_resume_exactly(
 def test_dpo_resume_after_sigkill_keeps_the_original_reference(tmp_path: Path) -> None:
     """The reference log-probs come from model.name_or_path, never from the resumed policy: if
     they did, the resumed steps' losses (and rewards) would differ from the uninterrupted run."""
-    reference = launch(DPO, tmp_path / "reference").check()
+    reference = run_inline(DPO, tmp_path / "reference").check()
     run_dir = tmp_path / "run"
     proc = spawn(DPO, run_dir)
     _wait_for_step(proc, run_dir, 3)
@@ -202,7 +204,7 @@ def test_dpo_resume_after_sigkill_keeps_the_original_reference(tmp_path: Path) -
     finish(proc, run_dir)
     newest = _complete_checkpoints(run_dir)[-1]
     assert 2 <= newest < 8
-    resumed = launch([*DPO, "resume=auto"], run_dir).check()
+    resumed = run_inline([*DPO, "resume=auto"], run_dir).check()
     assert _resumed_from(resumed) == newest
     stitched = _logged_steps(run_dir)
     _assert_losses_equal(stitched, reference, SAME_LAYOUT_ATOL)
@@ -221,7 +223,7 @@ def test_diverging_loss_stops_with_the_step_named_and_no_checkpoint_after_it(
     step-1, written before, stays the newest. (A non-finite loss stops the run before the
     update; a non-finite gradient norm after it, but before any checkpoint could store it.)"""
     run_dir = tmp_path / "run"
-    result = launch(
+    result = run_inline(
         ["task=sft", *COMMON, "train.max_steps=6", "data.max_eval_samples=4", "deepspeed=z0",
          "train.per_device_batch_size=2", "train.learning_rate=1e30", "checkpoint.every_steps=1",
          "train.lr_scheduler=constant"],
@@ -244,42 +246,41 @@ def test_diverging_loss_stops_with_the_step_named_and_no_checkpoint_after_it(
     assert "Traceback" not in result.output
 
 
-FAILING_SAVE = '''"""Entry point whose second checkpoint write fails like a full disk, half-way through."""
-import errno
-import sys
+def _failing_second_save(original):
+    """Engine.save_checkpoint whose second call fails like a full disk, half-way through: a
+    partial file in DeepSpeed's folder, then ENOSPC."""
+    import errno
 
-from align_anything.backend import engine
-from align_anything.train import main
+    calls = []
 
-original = engine.Engine.save_checkpoint
-calls = []
+    def save_checkpoint(self, directory, client_state, *, tag="deepspeed"):
+        calls.append(directory)
+        if len(calls) < 2:
+            return original(self, directory, client_state, tag=tag)
+        partial = directory / tag / "mp_rank_00_model_states.pt"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(b"\0" * 4096)
+        raise OSError(errno.ENOSPC, "No space left on device", str(partial))
 
-
-def save_checkpoint(self, directory, client_state, *, tag="deepspeed"):
-    calls.append(directory)
-    if len(calls) < 2:
-        return original(self, directory, client_state, tag=tag)
-    partial = directory / tag / "mp_rank_00_model_states.pt"
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_bytes(b"\\0" * 4096)
-    raise OSError(errno.ENOSPC, "No space left on device", str(partial))
+    return save_checkpoint
 
 
-engine.Engine.save_checkpoint = save_checkpoint
-sys.exit(main())
-'''
-
-
-def test_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+def test_failed_checkpoint_write_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Disk full during the second save (simulated in DeepSpeed's write, the step where the big
     files go): a clear error, exit 2, no half-written folder left, and step-2 still resumes."""
-    (tmp_path / "failing_save.py").write_text(FAILING_SAVE)
+    from align_anything.backend import engine
+
     run_dir = tmp_path / "run"
     args = [
         "task=sft", *COMMON, "train.max_steps=6", "data.max_eval_samples=4", "deepspeed=z0",
         "train.per_device_batch_size=2", "checkpoint.every_steps=2", "checkpoint.keep_last=1",
     ]  # fmt: skip
-    failed = launch(args, run_dir, module="failing_save", extra_env={"PYTHONPATH": str(tmp_path)})
+    with monkeypatch.context() as patch:
+        original = engine.Engine.save_checkpoint
+        patch.setattr(engine.Engine, "save_checkpoint", _failing_second_save(original))
+        failed = run_inline(args, run_dir)
     assert failed.returncode == 2, tail(failed.output)
     step2 = run_dir / "checkpoints" / "step-2"
     assert (
@@ -292,7 +293,7 @@ def test_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path: Path) -
     )
     assert "Traceback" not in failed.output
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
-    resumed = launch([*args, "resume=auto", "train.max_steps=3"], run_dir).check()
+    resumed = run_inline([*args, "resume=auto", "train.max_steps=3"], run_dir).check()
     assert _resumed_from(resumed) == 2 and _printed_steps(resumed) == [3]
 
 
@@ -399,13 +400,10 @@ def test_a_second_signal_stops_at_once(tmp_path: Path) -> None:
 
 def test_a_reward_function_past_reward_timeout_seconds_fails_the_run(tmp_path: Path) -> None:
     """reward.timeout_seconds bounds one call: exit 2, one message naming the function and the
-    rows, run.json "failed", lock released."""
-    from conftest import REPO_ROOT
-
+    rows, run.json "failed", lock released. (In-process: the watchdog interrupts this
+    process's main thread, where pytest runs the test.)"""
     run_dir = tmp_path / "run"
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
-    result = launch([*HANGING_REWARD, "reward.timeout_seconds=2"], run_dir, extra_env=env,
-                    timeout_s=90)  # fmt: skip
+    result = run_inline([*HANGING_REWARD, "reward.timeout_seconds=2"], run_dir)
     assert result.returncode == 2, tail(result.output)
     assert (
         "error: reward in step 1 failed, before that step's optimizer update: reward function "
@@ -517,7 +515,7 @@ def test_export_of_an_image_text_checkpoint_is_complete(tmp_path: Path) -> None:
 
     data = make_dataset("shapes", tmp_path / "shapes", rows=12, seed=0, text_every=2)
     run_dir = tmp_path / "run"
-    launch(
+    run_inline(
         ["task=sft", *COMMON, "model.name_or_path=tiny-random-llava", "deepspeed=z0",
          f"data.path={data / 'sft.jsonl'}", "data.eval_fraction=0.0", "train.max_steps=1",
          "train.per_device_batch_size=2", "checkpoint.every_steps=1"],

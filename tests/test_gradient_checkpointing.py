@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import DPO_ARGS, SFT_ARGS, RunResult, launch
+from conftest import DPO_ARGS, SFT_ARGS, RunResult, run_inline
 
 from align_anything.errors import ConfigError
 
 
 @pytest.mark.slow
 def test_dpo_with_checkpointing_equals_without(dpo_single: RunResult, runs_dir: Path) -> None:
-    run = launch(
+    run = run_inline(
         [*DPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=4",
          "speed.gradient_checkpointing=true"],
         runs_dir / "dpo-1rank-checkpointing",
@@ -27,8 +27,8 @@ def test_lora_sft_with_checkpointing_equals_without(tmp_path: Path) -> None:
     """LoRA freezes the embedding, so the checkpointed layers' inputs carry no gradient; the
     (non-reentrant) checkpoint still trains the adapters inside them, step for step alike."""
     args = [*SFT_ARGS, "deepspeed=z0", "train.max_steps=2", "model.lora.enabled=true"]
-    plain = launch(args, tmp_path / "plain").check()
-    checkpointed = launch([*args, "speed.gradient_checkpointing=true"], tmp_path / "gc").check()
+    plain = run_inline(args, tmp_path / "plain").check()
+    checkpointed = run_inline([*args, "speed.gradient_checkpointing=true"], tmp_path / "gc").check()
     assert len(plain.losses()) == 2 and plain.losses()[1] != plain.losses()[0]
     assert checkpointed.losses() == pytest.approx(plain.losses(), rel=1e-6, abs=1e-7)
 

@@ -18,15 +18,26 @@ the tiny model's logits are far from ties in these steps.)
 from __future__ import annotations
 
 import json
-import os
 import signal
 from pathlib import Path
 
 import pytest
-from conftest import COMMON, REPO_ROOT, RunResult, finish, launch, spawn
+from conftest import (
+    COMMON,
+    RunResult,
+    assert_script_trained,
+    finish,
+    launch,
+    run_inline,
+    run_script,
+    script_overrides,
+    spawn,
+)
 
 from align_anything.training import checkpoints
 
+# End to end. Runs compared by their numbers are in-process (conftest.run_inline); the 2-rank
+# runs (one through scripts/grpo.sh) and the SIGTERM of a process are launched.
 pytestmark = pytest.mark.slow
 
 STEPS = 4
@@ -66,7 +77,7 @@ def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     root = tmp_path_factory.mktemp("grpo")
     return {
         # The baseline (global batch 8 = 2 prompts x 4), checkpoints for the resume test.
-        "single": launch(
+        "single": run_inline(
             [
                 *GRPO_ARGS,
                 "deepspeed=z0",
@@ -78,15 +89,16 @@ def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
         ),  # fmt: skip
         # 2 ranks x 1 prompt each under ZeRO-3, the reference a partitioned engine; 1 held-out
         # prompt: rank 1 generates nothing while rank 0 answers (it must not wait for rank 1).
-        "z3-2ranks": launch(
-            [*GRPO_ARGS, "deepspeed=z3", "train.per_device_batch_size=4", "grpo.eval_samples=1"],
+        # Through scripts/grpo.sh (NUM_GPUS=2, its default preset z3).
+        "z3-2ranks": run_script(
+            "grpo.sh",
             root / "z3",
-            launcher="deepspeed",
-            nproc=2,
-        ),
+            [*script_overrides(GRPO_ARGS), "train.per_device_batch_size=4", "grpo.eval_samples=1"],
+            env={"NUM_GPUS": "2"},
+        ),  # fmt: skip
         # 1 rank, 2 micro-batches of 4 (accumulation), every speed switch off (the others run
         # each prompt's completions as one shared-prompt row).
-        "accum-plain": launch(
+        "accum-plain": run_inline(
             [
                 *GRPO_ARGS,
                 "deepspeed=z2",
@@ -155,7 +167,7 @@ def test_grpo_resume_generates_the_same_completions(
 ) -> None:
     single = grpo_runs["single"].check()
     step2 = single.output_dir / "checkpoints" / "step-2"
-    resumed = launch(
+    resumed = run_inline(
         [*GRPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8", f"resume={step2}"],
         tmp_path / "resumed",
     ).check()
@@ -184,7 +196,7 @@ def test_grpo_sigterm_writes_a_checkpoint_and_resume_continues_the_same_run(
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.output[-3000:]
     at = max(m["step"] for m in stopped.train_steps())
     assert at < STEPS and checkpoints.verify(run_dir / "checkpoints" / f"step-{at}") is None
-    resumed = launch([*args, "resume=auto"], run_dir).check()
+    resumed = run_inline([*args, "resume=auto"], run_dir).check()
     steps = [m for m in resumed.metrics if "phase" not in m]
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
     for a, b in zip(steps, single.train_steps(), strict=True):
@@ -193,8 +205,8 @@ def test_grpo_sigterm_writes_a_checkpoint_and_resume_continues_the_same_run(
 
 
 def test_rloo_trains_against_frozen_losses(tmp_path: Path) -> None:
-    run = launch([*RLOO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8"],
-                 tmp_path / "rloo").check()  # fmt: skip
+    run = run_inline([*RLOO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8"],
+                     tmp_path / "rloo").check()  # fmt: skip
     steps = run.train_steps()
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
     # beta 0.05 (the default): the KL penalty is in the reward; mu = 2 reuses each round once.
@@ -209,17 +221,20 @@ def test_rloo_trains_against_frozen_losses(tmp_path: Path) -> None:
 
 
 def test_a_failing_reward_function_stops_before_the_update_and_keeps_the_checkpoint(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The test's reward function raises from its 4th call on (eval before = 1, steps 1-2 =
     2-3, step 3 = 4): the run stops in step 3 with one message naming the function, the data
-    row and the completion; step-2's checkpoint (written before) is intact."""
+    row and the completion; step-2's checkpoint (written before) is intact. (In-process: the
+    function counts its calls in this process, from 0.)"""
+    import rl_test_rewards
+
+    monkeypatch.setattr(rl_test_rewards, "_calls", 0)
     out = tmp_path / "run"
-    run = launch(
+    run = run_inline(
         [*GRPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8",
          "reward.functions=[rl_test_rewards:fails_from_fourth_call]", "checkpoint.every_steps=2"],
         out,
-        extra_env={"PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])},
     )  # fmt: skip
     assert run.returncode == 2, run.output[-3000:]
     assert "error: reward in step 3 failed, before that step's optimizer update" in run.output
@@ -232,15 +247,25 @@ def test_a_failing_reward_function_stops_before_the_update_and_keeps_the_checkpo
     assert not (out / "checkpoints" / "step-3").exists()
 
 
-def test_a_reward_model_trained_by_task_rm_as_the_reward(rm_single: RunResult, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def lora_rm_run(rm_single: RunResult, tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """2 ranks under torchrun (the other 2-rank runs here use the deepspeed launcher), ZeRO-3,
+    2 steps: LoRA on the policy, whose reference is then the adapter-disabled policy, and a
+    reward model trained by task=rm (conftest.rm_single) as the only reward. The two tests
+    below read this one run."""
     rm = rm_single.check().output_dir / "final"
-    run = launch(
+    return launch(
         [*GRPO_ARGS, "deepspeed=z3", "train.per_device_batch_size=4", "train.max_steps=2",
-         "reward.functions=[]", f"reward.model={rm}", "grpo.beta=0.0"],
-        tmp_path / "rm-reward",
-        launcher="deepspeed",
+         "model.lora.enabled=true", "checkpoint.save_final=true", "reward.functions=[]",
+         f"reward.model={rm}"],
+        tmp_path_factory.mktemp("lora-rm") / "run",
+        launcher="torchrun",
         nproc=2,
-    ).check()  # fmt: skip
+    )  # fmt: skip
+
+
+def test_a_reward_model_trained_by_task_rm_as_the_reward(lora_rm_run: RunResult) -> None:
+    run = lora_rm_run.check()
     assert "partitioned ZeRO-3 inference engine" in run.summary_line("reward model")
     steps = run.train_steps()
     assert all(m["reward"] == m["rewards/reward_model/mean"] for m in steps)
@@ -253,16 +278,9 @@ def test_a_reward_model_trained_by_task_rm_as_the_reward(rm_single: RunResult, t
 
 
 def test_grpo_lora_under_zero3_uses_the_adapter_disabled_policy_as_reference(
-    tmp_path: Path,
+    lora_rm_run: RunResult,
 ) -> None:
-    """2 ranks under torchrun (the other runs here use the deepspeed launcher)."""
-    run = launch(
-        [*GRPO_ARGS, "deepspeed=z3", "train.per_device_batch_size=4", "train.max_steps=2",
-         "model.lora.enabled=true", "checkpoint.save_final=true"],
-        tmp_path / "lora",
-        launcher="torchrun",
-        nproc=2,
-    ).check()  # fmt: skip
+    run = lora_rm_run.check()
     assert "adapters disabled" in run.summary_line("reference")
     steps = run.train_steps()
     assert steps[0]["kl"] == 0.0 and steps[1]["kl"] > 0
@@ -298,8 +316,8 @@ VLM_ARGS = [
 
 def test_grpo_with_image_prompts_on_the_tiny_vlm(tmp_path: Path) -> None:
     data = _image_prompts(tmp_path / "shapes", text_every=0)
-    run = launch([*VLM_ARGS, *data, "deepspeed=z0", "train.per_device_batch_size=4"],
-                 tmp_path / "vlm").check()  # fmt: skip
+    run = run_inline([*VLM_ARGS, *data, "deepspeed=z0", "train.per_device_batch_size=4"],
+                     tmp_path / "vlm").check()  # fmt: skip
     assert [m["step"] for m in run.train_steps()] == [1, 2, 3]
     assert run.train_steps()[-1]["kl"] > 0
 
@@ -314,8 +332,8 @@ def test_mixed_image_and_text_prompts_under_zero3_on_two_ranks_do_not_hang(
     data = _image_prompts(tmp_path / "mixed", text_every=2)
     two = launch([*VLM_ARGS, *data, "deepspeed=z3", "train.per_device_batch_size=2"],
                  tmp_path / "two", launcher="deepspeed", nproc=2, timeout_s=180).check()  # fmt: skip
-    one = launch([*VLM_ARGS, *data, "deepspeed=z0", "train.per_device_batch_size=4"],
-                 tmp_path / "one").check()  # fmt: skip
+    one = run_inline([*VLM_ARGS, *data, "deepspeed=z0", "train.per_device_batch_size=4"],
+                     tmp_path / "one").check()  # fmt: skip
     _same_steps(two, one, atol=1e-5)
 
 
@@ -326,7 +344,7 @@ def test_a_step_whose_completions_are_all_masked_still_logs_its_round(tmp_path: 
     """Every completion truncated and masked (max_completion_length=1): no loss items, but the
     round's figures are what happened (every completion clipped, the rewards), not zeros."""
     args = [a for a in GRPO_ARGS if not a.startswith("grpo.max_completion_length")]
-    run = launch(
+    run = run_inline(
         [*args, "deepspeed=z0", "train.per_device_batch_size=8", "train.max_steps=1",
          "grpo.max_completion_length=1", "grpo.mask_truncated_completions=true"],
         tmp_path / "masked",
@@ -338,11 +356,10 @@ def test_a_step_whose_completions_are_all_masked_still_logs_its_round(tmp_path: 
 
 
 def test_a_step_without_any_reward_opinion_says_so(tmp_path: Path) -> None:
-    run = launch(
+    run = run_inline(
         [*GRPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8", "train.max_steps=1",
          "reward.functions=[rl_test_rewards:no_opinion]", "grpo.eval_samples=0"],
         tmp_path / "none",
-        extra_env={"PYTHONPATH": str(REPO_ROOT / "tests")},
     ).check()  # fmt: skip
     assert "warning: step 1: no reward had an opinion on any of its 8 completions" in run.output
     step = run.train_steps()[0]
@@ -353,3 +370,8 @@ def test_a_step_without_any_reward_opinion_says_so(tmp_path: Path) -> None:
         run.output
     )
     assert "was dropped" not in run.output
+
+
+def test_script_trains_on_two_cpu_ranks(grpo_runs: dict[str, RunResult]) -> None:
+    """test_scripts.py's check of scripts/grpo.sh, on its run above."""
+    assert_script_trained(grpo_runs["z3-2ranks"], stage=3, steps=STEPS)

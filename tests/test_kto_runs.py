@@ -13,9 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import COMMON, RunResult, launch
+from conftest import (
+    COMMON,
+    RunResult,
+    assert_script_trained,
+    run_inline,
+    run_script,
+    script_overrides,
+)
 
-# End to end: every test here launches the real trainer (conftest.launch).
+# End to end: the 2-rank run goes through scripts/kto.sh (conftest.run_script), the 1-rank runs
+# are in-process (conftest.run_inline).
 pytestmark = pytest.mark.slow
 
 STEPS = 6
@@ -49,7 +57,7 @@ def kto_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     root = tmp_path_factory.mktemp("kto")
     return {
         # The baseline; checkpoints for the resume test.
-        "single": launch(
+        "single": run_inline(
             [
                 *KTO_ARGS,
                 "deepspeed=z0",
@@ -59,14 +67,21 @@ def kto_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
             ],
             root / "single",
         ),  # fmt: skip
-        "z3-2ranks-model": launch(
-            [*KTO_ARGS, "deepspeed=z3", "train.per_device_batch_size=2", "kto.reference=model"],
+        # scripts/kto.sh with PRESET=z3 and --num_gpus 2 (the deepspeed launcher).
+        "z3-2ranks-model": run_script(
+            "kto.sh",
             root / "z3-2ranks",
-            launcher="deepspeed",
-            nproc=2,
-        ),
+            [
+                "--num_gpus",
+                "2",
+                *script_overrides(KTO_ARGS),
+                "train.per_device_batch_size=2",
+                "kto.reference=model",
+            ],
+            env={"PRESET": "z3"},
+        ),  # fmt: skip
         # Accumulation over 4 micro-batches of 1, every speed switch off; the generation check on.
-        "accum4-plain": launch(
+        "accum4-plain": run_inline(
             [
                 *KTO_ARGS,
                 "deepspeed=z0",
@@ -155,7 +170,7 @@ def test_kto_accumulation_on_the_plain_path_matches_one_micro_batch(
 def test_kto_resume_equals_uninterrupted(kto_runs: dict[str, RunResult], tmp_path: Path) -> None:
     single = kto_runs["single"].check()
     step4 = single.output_dir / "checkpoints" / "step-4"
-    resumed = launch(
+    resumed = run_inline(
         [*KTO_ARGS, "deepspeed=z0", "train.per_device_batch_size=4", f"resume={step4}"],
         tmp_path / "resumed",
     ).check()
@@ -172,7 +187,7 @@ def test_kto_lora_reference_is_the_base_model(tmp_path: Path) -> None:
     """With LoRA the reference is the policy with its adapters disabled (no second model): at
     step 1 (adapters at zero) every reward is 0 and the loss is 0.5; once the adapters train,
     the rewards move, which they could not if the reference followed the adapters."""
-    run = launch(
+    run = run_inline(
         [*KTO_ARGS, "deepspeed=z0", "train.per_device_batch_size=4", "kto.reference=model",
          "model.lora.enabled=true", "model.lora.r=8", "train.learning_rate=1e-3",
          "train.max_steps=3"],
@@ -183,3 +198,8 @@ def test_kto_lora_reference_is_the_base_model(tmp_path: Path) -> None:
     assert first["loss"] == pytest.approx(0.5, abs=1e-7) and first["rewards/margins"] == 0.0
     assert abs(last["rewards/chosen"]) + abs(last["rewards/rejected"]) > 1e-3
     assert run.eval("after")["eval/rewards/margins"] != pytest.approx(0.0, abs=1e-4)
+
+
+def test_script_trains_on_two_cpu_ranks(kto_runs: dict[str, RunResult]) -> None:
+    """test_scripts.py's check of scripts/kto.sh, on its run above."""
+    assert_script_trained(kto_runs["z3-2ranks-model"], stage=3, steps=STEPS)

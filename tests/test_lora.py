@@ -16,7 +16,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DPO_ARGS, REPO_ROOT, RM_ARGS, SFT_ARGS, TINY_MODEL, RunResult, launch
+from conftest import (
+    DPO_ARGS,
+    REPO_ROOT,
+    RM_ARGS,
+    SFT_ARGS,
+    TINY_MODEL,
+    RunResult,
+    launch,
+    run_inline,
+)
 from safetensors.torch import load_file
 
 from align_anything.data.formats import load_records
@@ -25,7 +34,8 @@ from align_anything.families.language.encode import encode_preference
 from align_anything.families.language.forward import completion_forward
 from align_anything.families.zoo import resolve_model_path
 
-# End to end: every test here launches the real trainer (conftest.launch).
+# End to end: the 2-rank runs are launched (conftest.launch), the 1-rank runs are in-process
+# (conftest.run_inline).
 pytestmark = pytest.mark.slow
 
 # Adapters start at zero; a larger rate than full fine-tuning's moves them visibly in 3 steps.
@@ -51,7 +61,7 @@ SFT_LORA_FROZEN_LOSSES = [10.804016, 10.742389, 10.722627]
 def dpo_lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
     root = tmp_path_factory.mktemp("lora-dpo")
     return {
-        "z0-1rank": launch(
+        "z0-1rank": run_inline(
             [*DPO_LORA, "deepspeed=z0", "train.per_device_batch_size=4"], root / "z0"
         ).check(),
         "z3-2ranks": launch(
@@ -223,7 +233,7 @@ def test_score_refuses_the_adapter_of_a_policy(dpo_lora: dict[str, RunResult], t
 
 
 def test_sft_lora_zero3_offload_reproduces_frozen_losses(tmp_path: Path) -> None:
-    run = launch([*SFT_ARGS, *LORA, "deepspeed=z3_offload"], tmp_path / "sft").check()
+    run = run_inline([*SFT_ARGS, *LORA, "deepspeed=z3_offload"], tmp_path / "sft").check()
     assert run.zero_stage() == 3
     assert run.losses() == pytest.approx(SFT_LORA_FROZEN_LOSSES, abs=1e-5)
     trainable = run.summary_line("model")

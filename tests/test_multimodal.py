@@ -4,9 +4,9 @@ SFT, DPO and RM trainers, on generated shapes / tones data.
 In-process: placeholder masks on concrete token ids, the dummy media row adds exactly nothing,
 the reward score at the last real token whatever the padding side, bad media reported before
 any step. Through the real entry point: SFT / DPO / RM per modality on one rank (ZeRO-0, frozen
-losses), and DPO on two ranks under ZeRO-3 where one rank's micro-batch has media and the other's
-has none (every step and every eval batch): it must finish within the timeout (a hang fails the
-test) and log the one-rank losses.
+losses; in-process), and DPO on two ranks under ZeRO-3 (launched) where one rank's micro-batch
+has media and the other's has none (every step and every eval batch): it must finish within the
+timeout (a hang fails the test) and log the one-rank losses.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import RunResult, launch
+from conftest import RunResult, launch, run_inline
 
 from align_anything.data.synthetic import SAMPLING_RATE, make_dataset
 from align_anything.families.language import IGNORE_INDEX, collate_preference, collate_sft
@@ -265,10 +265,10 @@ def _args(modality: str, task: str, folder: Path) -> list[str]:
 def one_rank(
     datasets_dir: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[tuple[str, str], RunResult]:
-    """SFT, DPO and RM per modality: 1 rank x micro-batch 2, ZeRO-0."""
+    """SFT, DPO and RM per modality: 1 rank x micro-batch 2, ZeRO-0, in-process."""
     root = tmp_path_factory.mktemp("mm-runs")
     return {
-        (m, t): launch(
+        (m, t): run_inline(
             [*_args(m, t, datasets_dir[m]), "deepspeed=z0", "train.per_device_batch_size=2"],
             root / f"{m}-{t}",
         )

@@ -19,6 +19,7 @@ from conftest import (
     _kill_group,
     copy_run,
     launch,
+    run_inline,
     snapshot,
     spawn,
     tail,
@@ -27,8 +28,8 @@ from conftest import (
 from align_anything.tools import export
 from align_anything.train import main
 
-# End to end: every test here launches the real trainer (conftest.launch) or works on a copy
-# of conftest.finished_run, which does.
+# End to end: every test here runs the real trainer (launched where a process is killed or
+# holds the lock; in-process otherwise) or works on a copy of conftest.finished_run.
 pytestmark = pytest.mark.slow
 
 
@@ -70,7 +71,7 @@ def test_overwrite_starts_over_and_keeps_nothing_of_the_old_run(
     run = copy_run(finished_run, tmp_path / "run")
     (run / "notes.txt").write_text("the user's own file")
     old_id = _run_json(run)["run_id"]
-    result = launch(
+    result = run_inline(
         [*FINISHED_ARGS, "train.max_steps=2", "checkpoint.every_steps=2",
          "overwrite_output_dir=true"], run,
     ).check()  # fmt: skip
@@ -92,7 +93,7 @@ def test_resume_and_pruning_leave_another_runs_checkpoint_alone(
 ) -> None:
     """A checkpoint of another run in checkpoints/ (a higher step number than this run's):
     resume=auto does not pick it and pruning does not delete it, whatever its number."""
-    other = launch(
+    other = run_inline(
         [*FINISHED_ARGS, "train.max_steps=2", "checkpoint.every_steps=2"], tmp_path / "other"
     ).check()
     run = copy_run(finished_run, tmp_path / "run")
@@ -100,7 +101,7 @@ def test_resume_and_pruning_leave_another_runs_checkpoint_alone(
     shutil.copytree(other.output_dir / "checkpoints" / "step-2", foreign)
     foreign_before = snapshot(foreign)
     other_id = _run_json(other.output_dir)["run_id"]
-    result = launch([*FINISHED_ARGS, "resume=auto", "train.max_steps=5"], run).check()
+    result = run_inline([*FINISHED_ARGS, "resume=auto", "train.max_steps=5"], run).check()
     assert (
         f"note: resume=auto skipped {foreign}: belongs to another run (run id {other_id})"
         in result.output
@@ -217,7 +218,7 @@ def test_a_run_without_held_out_rows_still_prints_its_summary(
                         {"role": "assistant", "content": "yo"}]}  # fmt: skip
     long.write_text((json.dumps(row) + "\n") * 4)
     args = [*FINISHED_ARGS, "train.max_steps=1", "checkpoint.every_steps=0"]
-    result = launch([*args, *(e.format(long=long) for e in extra)], tmp_path / "run").check()
+    result = run_inline([*args, *(e.format(long=long) for e in extra)], tmp_path / "run").check()
     assert "finished sft: 1 steps in" in result.output
     assert f"no held-out metrics: {fragment}" in result.output, tail(result.output)
 

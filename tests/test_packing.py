@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SFT_ARGS, launch, merged
+from conftest import SFT_ARGS, launch, merged, run_inline
 from transformers import AutoModelForCausalLM
 
 from align_anything.errors import ConfigError
@@ -269,7 +269,7 @@ TRAIN_ROWS = 243
 
 @pytest.mark.slow
 def test_packed_sft_run_matches_frozen_losses(tmp_path: Path) -> None:
-    run = launch(
+    run = run_inline(
         [*SFT_ARGS, "deepspeed=z0", "train.per_device_batch_size=4", "sft.packing=true"],
         tmp_path / "packed",
     ).check()
@@ -287,11 +287,13 @@ def test_packed_step_equals_unpacked_step_through_the_entry_point(tmp_path: Path
     update the same held-out loss."""
     args = [a for a in SFT_ARGS if not a.startswith("train.max_steps=")]
     args += ["train.max_steps=1", "deepspeed=z0"]
-    packed = launch(
+    packed = run_inline(
         [*args, f"train.per_device_batch_size={PACKED_SEQUENCES}", "sft.packing=true"],
         tmp_path / "packed",
     ).check()
-    plain = launch([*args, f"train.per_device_batch_size={TRAIN_ROWS}"], tmp_path / "plain").check()
+    plain = run_inline(
+        [*args, f"train.per_device_batch_size={TRAIN_ROWS}"], tmp_path / "plain"
+    ).check()
     (p_step,), (u_step,) = packed.train_steps(), plain.train_steps()
     assert p_step["loss"] == pytest.approx(u_step["loss"], rel=1e-6)
     assert p_step["grad_norm"] == pytest.approx(u_step["grad_norm"], rel=1e-5)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SFT_ARGS, launch, merged
+from conftest import SFT_ARGS, merged, run_inline
 
 from align_anything.config import load_config, load_preset
 from align_anything.errors import ConfigError
@@ -110,7 +110,7 @@ def test_train_with_auto_follows_the_planner(tmp_path: Path) -> None:
     figures, _, _ = plan.plan(cfg, LANGUAGE_MODELS.estimate_memory, world_size=1)
     by_name = {e.preset: e for e in figures.estimates}
     budget = (by_name["z3_offload"].total + by_name["z3"].total) / 2 / plan.HEADROOM / GIB
-    run = launch(
+    run = run_inline(
         [*overrides, "deepspeed=auto", f"train.memory_budget_gb={budget}",
          "deepspeed.zero_optimization.overlap_comm=false"],
         tmp_path / "auto",

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import pytest
 import rank_hash_seeds
-from conftest import COMMON, RunResult, finish, spawn
+from conftest import COMMON, RunResult, _kill_group, finish, run_inline, spawn
 from conftest import launch as conftest_launch
 
 from align_anything.rewards import length_penalty
 from align_anything.training import checkpoints
 
-# Slow (end-to-end), and several launches per test: minutes each on 2 shared cores.
+# Slow (end-to-end). Runs compared by their numbers are in-process (conftest.run_inline); the
+# 2-rank runs and the SIGTERM of a process are launched (minutes each on 2 shared cores).
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
@@ -103,36 +104,39 @@ def rank_hash_seed_env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def ppo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, RunResult]:
-    """The three runs start together (each its own process group) and are awaited in turn."""
+    """The 2-rank run is launched first and awaited last; the 1-rank runs go in-process
+    meanwhile."""
     root = tmp_path_factory.mktemp("ppo")
-    runs = {
-        # Global batch 8 completions = 2 prompts x 4; a round = 2 mini-batches = 4 prompts.
-        "single": (
-            [*PPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8",
-             "checkpoint.every_steps=1", "checkpoint.keep_last=10"],
-            {},
-        ),
-        # 2 ranks under ZeRO-3 (actor, critic, reference all partitioned), a checkpoint inside
-        # the first round for the resume across stages and world sizes below.
-        "z3-2ranks": (
-            [*PPO_ARGS, "deepspeed=z3", "train.per_device_batch_size=4",
-             "checkpoint.every_steps=2", "checkpoint.keep_last=5"],
-            {"launcher": "deepspeed", "nproc": 2, "module": "rank_hash_seeds",
-             "extra_env": rank_hash_seed_env()},
-        ),
-        # 1 rank, 2 micro-batches of 4, every speed switch off.
-        "accum-plain": (
-            [*PPO_ARGS, "deepspeed=z2", "train.per_device_batch_size=4",
-             "train.gradient_accumulation_steps=2", "speed.completion_only_logits=false",
-             "speed.tied_grads_in_place=false", "speed.share_prefix=false"],
-            {},
-        ),
-    }  # fmt: skip
-    started = {
-        name: (spawn(args, root / name, **options), root / name)
-        for name, (args, options) in runs.items()
-    }
-    return {name: finish(proc, out, timeout_s=1500) for name, (proc, out) in started.items()}
+    # 2 ranks under ZeRO-3 (actor, critic, reference all partitioned), a checkpoint inside the
+    # first round for the resume across stages and world sizes below.
+    z3 = spawn(
+        [*PPO_ARGS, "deepspeed=z3", "train.per_device_batch_size=4",
+         "checkpoint.every_steps=2", "checkpoint.keep_last=5"],
+        root / "z3-2ranks", launcher="deepspeed", nproc=2, module="rank_hash_seeds",
+        extra_env=rank_hash_seed_env(),
+    )  # fmt: skip
+    try:
+        runs = {
+            # Global batch 8 completions = 2 prompts x 4; a round = 2 mini-batches = 4 prompts.
+            "single": run_inline(
+                [*PPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8",
+                 "checkpoint.every_steps=1", "checkpoint.keep_last=10"],
+                root / "single",
+            ),
+            # 1 rank, 2 micro-batches of 4, every speed switch off.
+            "accum-plain": run_inline(
+                [*PPO_ARGS, "deepspeed=z2", "train.per_device_batch_size=4",
+                 "train.gradient_accumulation_steps=2", "speed.completion_only_logits=false",
+                 "speed.tied_grads_in_place=false", "speed.share_prefix=false"],
+                root / "accum-plain",
+            ),
+        }  # fmt: skip
+    except BaseException:
+        _kill_group(z3)
+        z3.communicate()
+        raise
+    runs["z3-2ranks"] = finish(z3, root / "z3-2ranks", timeout_s=1500)
+    return runs
 
 
 def _same_steps(a: RunResult, b: RunResult, *, atol: float = ATOL, exact: bool = False) -> None:
@@ -212,7 +216,7 @@ def test_ppo_resume_inside_a_round_continues_it_exactly(
     the uninterrupted run's, bit for bit."""
     single = ppo_runs["single"].check()
     step3 = single.output_dir / "checkpoints" / "step-3"
-    resumed = launch(
+    resumed = run_inline(
         [*PPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8", f"resume={step3}"],
         tmp_path / "resumed",
     ).check()  # fmt: skip
@@ -232,12 +236,12 @@ def test_ppo_resume_across_world_sizes_and_the_refused_stage_change(
     one error before any weights load."""
     z3 = ppo_runs["z3-2ranks"].check()
     step2 = z3.output_dir / "checkpoints" / "step-2"
-    refused = launch(
+    refused = run_inline(
         [*PPO_ARGS, "deepspeed=z2", "train.per_device_batch_size=8", f"resume={step2}"],
         tmp_path / "refused",
     )  # fmt: skip
     assert refused.returncode == 2 and "does not load a ZeRO-3 checkpoint into" in refused.output
-    resumed = launch(
+    resumed = run_inline(
         [*PPO_ARGS, "deepspeed=z3", "train.per_device_batch_size=8", f"resume={step2}"],
         tmp_path / "universal",
     ).check()  # fmt: skip
@@ -267,7 +271,7 @@ def test_ppo_sigterm_writes_a_checkpoint_and_resume_continues_the_same_run(
     folder = run_dir / "checkpoints" / f"step-{at}"
     assert at < STEPS and checkpoints.verify(folder) is None
     assert (folder / "deepspeed-critic").is_dir()
-    resumed = launch([*args, "resume=auto"], run_dir).check()
+    resumed = run_inline([*args, "resume=auto"], run_dir).check()
     steps = [m for m in resumed.metrics if "phase" not in m]
     assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
     _same_steps(RunResult(0, "", steps, run_dir), single, exact=True)
@@ -290,7 +294,7 @@ def test_ppo_lora_on_actor_and_critic_under_zero3_with_torchrun(tmp_path: Path) 
 
 
 def test_ppo_zero3_offload(tmp_path: Path) -> None:
-    run = launch(
+    run = run_inline(
         [*PPO_ARGS, "deepspeed=z3_offload", "train.per_device_batch_size=8",
          "train.max_steps=2", "ppo.num_mini_batches=1", "ppo.num_ppo_epochs=1"],
         tmp_path / "offload",
@@ -301,7 +305,7 @@ def test_ppo_zero3_offload(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
 def test_reinforce_plus_plus_trains_without_a_critic(estimator: str, tmp_path: Path) -> None:
-    run = launch(
+    run = run_inline(
         [*PPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8", "train.max_steps=2",
          f"ppo.advantage_estimator={estimator}", "checkpoint.every_steps=1"],
         tmp_path / estimator,
@@ -317,7 +321,7 @@ def test_reinforce_plus_plus_trains_without_a_critic(estimator: str, tmp_path: P
 def test_critic_warmup_and_ptx(tmp_path: Path) -> None:
     """Step 1 trains the critic only (no policy loss, no policy update); from step 2 the actor's
     loss carries the ptx term on built-in SFT conversations."""
-    run = launch(
+    run = run_inline(
         [*PPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=8", "train.max_steps=2",
          "ppo.critic_warmup_steps=1", "ppo.ptx_coef=0.5", "ppo.ptx_data=arith-sft"],
         tmp_path / "warmup",
@@ -343,12 +347,12 @@ def test_grpo_resume_inside_a_round_is_exact(tmp_path: Path) -> None:
     """Issue #24 case 2: μ = 2, resumed from step 1's checkpoint (inside round 1): step 2
     trains on round 1 again (the checkpoint holds it), not on a round generated anew from the
     updated weights (which would have ratio 1 and clip nothing)."""
-    whole = launch([*GRPO_ARGS, f"reward.functions=[{LENGTH}]", "checkpoint.every_steps=1",
-                    "checkpoint.keep_last=5"], tmp_path / "whole").check()  # fmt: skip
+    whole = run_inline([*GRPO_ARGS, f"reward.functions=[{LENGTH}]", "checkpoint.every_steps=1",
+                        "checkpoint.keep_last=5"], tmp_path / "whole").check()  # fmt: skip
     step1 = whole.output_dir / "checkpoints" / "step-1"
     assert (step1 / "rollout.json").is_file()
-    resumed = launch([*GRPO_ARGS, f"reward.functions=[{LENGTH}]", f"resume={step1}"],
-                     tmp_path / "resumed").check()  # fmt: skip
+    resumed = run_inline([*GRPO_ARGS, f"reward.functions=[{LENGTH}]", f"resume={step1}"],
+                         tmp_path / "resumed").check()  # fmt: skip
     for a, b in zip(resumed.train_steps(), whole.train_steps()[1:], strict=True):
         assert a["step"] == b["step"]
         assert a["reward"] == b["reward"] and a["loss"] == b["loss"] and a["kl"] == b["kl"]
@@ -386,8 +390,8 @@ def test_remote_rewards_score_an_online_run(length_server: str, tmp_path: Path) 
     """The reward from a server on 127.0.0.1 (reward.remote.urls) gives the run the reward
     function's numbers: the same completions, rewards and losses."""
     args = [*GRPO_ARGS, "train.max_steps=2", "grpo.num_iterations=1"]
-    local = launch([*args, f"reward.functions=[{LENGTH}]"], tmp_path / "local").check()
-    remote = launch(
+    local = run_inline([*args, f"reward.functions=[{LENGTH}]"], tmp_path / "local").check()
+    remote = run_inline(
         [*args, "reward.functions=[]", f"reward.remote.urls=[{length_server}]"],
         tmp_path / "remote",
     ).check()  # fmt: skip

@@ -526,8 +526,9 @@ _PROBES: dict[str, dict[str, Any]] = {}
 
 
 def engine_probe(name: str) -> dict[str, Any]:
-    """Run `_probe_engine(name)` in a fresh process (once per test session)."""
-    if name not in _PROBES:
+    """`_probe_engine` of every shipped preset, in one fresh process (once per test session),
+    each from the same seed; the result for `name`."""
+    if not _PROBES:
         env = {
             k: v
             for k, v in os.environ.items()
@@ -542,22 +543,24 @@ def engine_probe(name: str) -> dict[str, Any]:
             )
         }
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-        # The first z3_offload run JIT-compiles DeepSpeed's CPU Adam (about a minute).
+        # The first z3_offload run JIT-compiles DeepSpeed's CPU Adam (minutes on 2 cores).
         proc = subprocess.run(
-            [sys.executable, __file__, name],
+            [sys.executable, __file__, *PRESET_NAMES],
             cwd=REPO_ROOT,
             env=env,
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=900,
         )
         marker = "ENGINE_PROBE "
         lines = [line for line in proc.stdout.splitlines() if line.startswith(marker)]
-        assert proc.returncode == 0 and lines, (
-            f"engine probe for {name} failed (exit {proc.returncode}):\n"
+        assert proc.returncode == 0 and len(lines) == len(PRESET_NAMES), (
+            f"engine probes for {PRESET_NAMES} failed (exit {proc.returncode}):\n"
             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         )
-        _PROBES[name] = json.loads(lines[-1].removeprefix(marker))
+        for line in lines:
+            probe = json.loads(line.removeprefix(marker))
+            _PROBES[probe.pop("name")] = probe
     return _PROBES[name]
 
 
@@ -599,11 +602,11 @@ def test_zero3_in_one_process_trains_the_numbers_of_the_h_based_settings(tmp_pat
     persistence threshold, 0.9·h² prefetch bucket: the tiny model's 64×64 matrices are then
     fetched and released module by module), and the start-up summary says what ZeRO-3 costs
     in one process."""
-    from conftest import DPO_ARGS, RECIPE_STEPS, launch
+    from conftest import DPO_ARGS, RECIPE_STEPS, run_inline
 
-    one = launch([*DPO_ARGS, "deepspeed=z3"], tmp_path / "one-process").check()
+    one = run_inline([*DPO_ARGS, "deepspeed=z3"], tmp_path / "one-process").check()
     h = TINY_HIDDEN
-    previous = launch(
+    previous = run_inline(
         [*DPO_ARGS, "deepspeed=z3",
          f"deepspeed.zero_optimization.stage3_param_persistence_threshold={10 * h}",
          f"deepspeed.zero_optimization.stage3_prefetch_bucket_size={int(0.9 * h * h)}"],
@@ -641,4 +644,6 @@ def test_a_stale_build_lock_of_the_offload_optimizer_is_one_error(
 
 
 if __name__ == "__main__":
-    print("ENGINE_PROBE " + json.dumps(_probe_engine(sys.argv[1])), flush=True)
+    for preset_name in sys.argv[1:]:
+        probe = {"name": preset_name, **_probe_engine(preset_name)}
+        print("ENGINE_PROBE " + json.dumps(probe), flush=True)

@@ -1,8 +1,10 @@
 """Recipe tests: the real entry point (`python -m align_anything.train`) on the tiny random Llama,
 CPU fp32, seed 42, compared with frozen reference values and with the exported model.
 
-Every run here is a subprocess (see conftest.launch); the single-rank SFT / DPO / RM runs are
-session fixtures shared with test_distributed.py.
+Every run here is one rank, in-process (conftest.run_inline: `align_anything.train.main`, as
+`python -m align_anything.train` calls it, without a new interpreter's imports); the SFT / DPO /
+RM runs are session fixtures shared with test_distributed.py, where the 2-rank runs are launched
+(including the 2-rank DPO runs whose step 0 is checked to be ln 2).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, DPO_ARGS, RECIPE_STEPS, TINY_MODEL, RunResult, launch
+from conftest import COMMON, DPO_ARGS, RECIPE_STEPS, TINY_MODEL, RunResult, run_inline
 
 from align_anything.data.formats import load_records, split_records
 from align_anything.families.language import collate_preference, collate_sft
@@ -21,7 +23,7 @@ from align_anything.families.language.encode import encode_preference, encode_sf
 from align_anything.families.language.forward import completion_logps
 from align_anything.families.zoo import resolve_model_path
 
-# End to end: every test here launches the real trainer (conftest.launch).
+# End to end: every test here runs the real trainer.
 pytestmark = pytest.mark.slow
 
 LN2 = math.log(2.0)
@@ -271,28 +273,12 @@ def test_dpo_step0_loss_is_ln2_single_rank(dpo_single: RunResult) -> None:
     _assert_step0_is_ln2(dpo_single)
 
 
-@pytest.mark.parametrize(
-    ("preset", "reference", "stage"),
-    [("z0", "precompute", 0), ("z2", "precompute", 2), ("z3", "precompute", 3), ("z3", "model", 3)],
-)
-def test_dpo_step0_loss_is_ln2_two_ranks(
-    preset: str, reference: str, stage: int, dpo_two_ranks: dict[tuple[str, str], RunResult]
-) -> None:
-    """2 ranks × micro 2 through the deepspeed launcher, the reference precomputed or kept as a
-    (ZeRO-3 partitioned) model: step 0 is still ln 2 on every stage."""
-    run = dpo_two_ranks[(preset, reference)]
-    _assert_step0_is_ln2(run)
-    assert run.zero_stage() == stage
-    expected = "precomputed" if reference == "precompute" else "partitioned ZeRO-3 inference engine"
-    assert expected in run.summary_line("reference")
-
-
 # ---------------------------------------------------------------------------- DPO loss family
 
 
 @pytest.mark.parametrize("loss_type", ["ipo", "hinge", "simpo", "orpo"])
 def test_dpo_loss_types_run_end_to_end(loss_type: str, runs_dir: Path) -> None:
-    run = launch(
+    run = run_inline(
         [*DPO_ARGS, "deepspeed=z0", "train.per_device_batch_size=4", f"dpo.loss_type={loss_type}",
          "train.max_steps=2", "data.max_eval_samples=4"],
         runs_dir / f"dpo-{loss_type}",
@@ -331,7 +317,7 @@ def test_rm_accuracy_rises_above_chance_on_separable_data(tmp_path: Path) -> Non
     train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
     _write_separable_pairs(train, count=128, offset=0)
     _write_separable_pairs(held_out, count=16, offset=1000)
-    run = launch(
+    run = run_inline(
         ["task=rm", *COMMON, "deepspeed=z0", f"data.path={train}", f"data.eval_path={held_out}",
          "train.per_device_batch_size=8", "train.max_steps=20", "train.learning_rate=1e-3",
          "train.lr_scheduler=constant", "train.log_every_steps=10"],

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FINISHED_ARGS, RunResult, copy_run, launch, snapshot, tail
+from conftest import FINISHED_ARGS, RunResult, copy_run, run_inline, snapshot, tail
 
 from align_anything.backend import universal
 from align_anything.train import main
 from align_anything.training import checkpoints
 
-# End to end: every test here launches the real trainer (conftest.launch) or works on a copy
-# of conftest.finished_run, which does.
+# End to end: every test here runs the real trainer in-process (conftest.run_inline) or works on
+# a copy of conftest.finished_run, which does.
 pytestmark = pytest.mark.slow
 
 
@@ -125,7 +125,7 @@ def test_resume_auto_falls_back_past_a_truncated_checkpoint(
     step3 = run / "checkpoints" / "step-3"
     reason = _break_truncated_pt(step3)
     broken = snapshot(step3)
-    result = launch(
+    result = run_inline(
         [*FINISHED_ARGS, "resume=auto", "checkpoint.every_steps=0", "checkpoint.save_final=false"],
         run,
     ).check()
@@ -144,7 +144,7 @@ def test_extending_a_run_follows_the_new_schedule_and_says_so(
     cosine of the new peak, 2e-3 · ½(1 + cos(π·k/6)) for k = 3, 4, 5 (= 1e-3, 5e-4, 1.34e-4),
     not the finished schedule's 0 (the old behaviour: the rate the checkpoint ended on)."""
     run = copy_run(finished_run, tmp_path / "run")
-    result = launch(
+    result = run_inline(
         [*FINISHED_ARGS, "resume=auto", "train.max_steps=6", "train.learning_rate=2e-3"], run
     ).check()
     assert (

@@ -1,6 +1,13 @@
 """The launch scripts in scripts/: each one-machine script really trains with 2 CPU ranks; the
 multi-node and Slurm scripts, which cannot launch here, print their command (DRY_RUN=1), and
-the test parses it with the real deepspeed / torchrun argument parsers."""
+the test parses it with the real deepspeed / torchrun argument parsers.
+
+The 2-rank runs of sft.sh, torchrun.sh, dpo.sh and rm.sh are those test_distributed.py compares
+with one rank; kto.sh's is test_kto_runs.py's, grpo.sh's test_grpo_runs.py's and
+diffusion_dpo.sh's test_diffusion_runs.py's: each file checks its script's run with
+`conftest.assert_script_trained` (a 2-rank run costs half a minute, so none runs twice). The
+rest train here; `test_every_one_machine_script_trains_in_a_test` keeps the list whole.
+"""
 
 from __future__ import annotations
 
@@ -12,39 +19,21 @@ from pathlib import Path
 
 import pytest
 from conftest import (
-    BIN_DIR,
     DIST_ENV_VARS,
     REPO_ROOT,
+    SCRIPTS,
     TINY_MODEL,
-    RunResult,
+    assert_script_trained,
     finish,
-    free_port,
+    run_script,
+    script_env,
 )
 
-SCRIPTS = REPO_ROOT / "scripts"
 STEPS = 2
 FAST = [
     f"model.name_or_path={TINY_MODEL}", "train.precision=fp32", f"train.max_steps={STEPS}",
     "data.max_eval_samples=4", "checkpoint.save_final=false", "train.per_device_batch_size=2",
 ]  # fmt: skip
-
-
-def script_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
-    for name in ("NUM_GPUS", "PRESET", "TASK", "MODEL", "OUTPUT_DIR", "DRY_RUN", "MASTER_ADDR"):
-        env.pop(name, None)
-    env.update(
-        # The venv's deepspeed / torchrun, found after the rest of PATH: put first, the venv's
-        # own `ninja` would shadow the system one, and DeepSpeed's JIT-built ops (keyed by
-        # ninja's command hash, which differs between ninja versions) would rebuild, ~1 min.
-        PATH=f"{env.get('PATH', '')}{os.pathsep}{BIN_DIR}",
-        HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1", NO_COLOR="1", OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    env.update(extra)
-    return env
-
-
 # Text-to-image: the tiny random SD pipeline on the built-in shapes, one sample image, no check.
 FAST_T2I = [
     "model.name_or_path=tiny-random-sd", "train.precision=fp32", f"train.max_steps={STEPS}",
@@ -57,21 +46,16 @@ RL_FAST = (
     "{task}.num_generations=2 {task}.max_completion_length=4 {task}.eval_samples=2 "
     "{task}.generation_batch_size=2"
 )
-# (script, environment, arguments before the overrides, expected ZeRO stage): together they use
-# the arguments and the environment variables, the default preset (z3) and every launcher.
+# (script, environment, arguments before the overrides, expected ZeRO stage). With the scripts
+# run in other files (above; sft.sh: arguments, preset z2; torchrun.sh: TASK, NUM_GPUS and
+# PRESET=z0; dpo.sh: NUM_GPUS, the default preset z3; rm.sh and kto.sh: PRESET=z3 and
+# --num_gpus=2 / --num_gpus 2; grpo.sh: NUM_GPUS, default z3; diffusion_dpo.sh: PRESET=z2) they
+# use the arguments and the environment variables, the default preset (z3) and every launcher.
 CASES = {
-    "sft.sh": ({}, ["--num_gpus", "2", "--preset", "z2"], 2),
-    "dpo.sh": ({"NUM_GPUS": "2"}, ["dpo.generation_check_samples=0"], 3),
-    "rm.sh": ({"PRESET": "z0"}, ["--num_gpus=2"], 0),
-    "kto.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", "kto.generation_check_samples=0"], 2),
-    "grpo.sh": ({"NUM_GPUS": "2"}, [*RL_FAST.format(task="grpo").split()], 3),
     "rloo.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", *RL_FAST.format(task="rloo").split()], 2),
     "ppo.sh": ({"PRESET": "z0"}, ["--num_gpus", "2", *RL_FAST.format(task="ppo").split()], 0),
-    "torchrun.sh": ({"TASK": "sft", "NUM_GPUS": "2", "PRESET": "z0"}, [], 0),
     "diffusion_sft.sh": ({"NUM_GPUS": "2"}, T2I_FAST.format(task="diffusion_sft",
                                                            data="t2i-shapes-eval").split(), 3),
-    "diffusion_dpo.sh": ({"PRESET": "z2"}, ["--num_gpus", "2", *T2I_FAST.format(
-        task="diffusion_dpo", data="t2i-shapes-pref-eval").split()], 2),
 }  # fmt: skip
 
 
@@ -79,31 +63,24 @@ CASES = {
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_script_trains_on_two_cpu_ranks(script: str, tmp_path: Path) -> None:
     env, args, stage = CASES[script]
-    output_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        ["bash", str(SCRIPTS / script), *args, *(FAST_T2I if "diffusion" in script else FAST)],
-        cwd=REPO_ROOT,
-        env=script_env(OUTPUT_DIR=str(output_dir), MASTER_PORT=str(free_port()), **env),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
-        start_new_session=True,
-    )  # fmt: skip
-    run: RunResult = finish(proc, output_dir).check()
-    assert re.search(r"^\s+world size\s+2 ", run.output, re.MULTILINE), run.output[-3000:]
-    assert run.zero_stage() == stage
-    assert [m["step"] for m in run.train_steps()] == list(range(1, STEPS + 1))
-    # Only rank 0 logs: one start-up summary, one progress line per step.
-    assert (
-        len(
-            re.findall(
-                r"^align_anything (sft|dpo|rm|kto|grpo|rloo|ppo|diffusion_sft|diffusion_dpo)$",
-                run.output,
-                re.MULTILINE,
-            )
-        )
-        == 1
+    run = run_script(
+        script, tmp_path / "run", [*args, *(FAST_T2I if "diffusion" in script else FAST)], env=env
     )
-    for step in range(1, STEPS + 1):
-        assert len(re.findall(rf"^step {step}/{STEPS} ", run.output, re.MULTILINE)) == 1
+    assert_script_trained(run, stage=stage, steps=STEPS)
+
+
+def test_every_one_machine_script_trains_in_a_test() -> None:
+    """Every script that starts a run on this machine is run by some test (here, or where its
+    2-rank run serves a comparison): none was dropped when the runs moved."""
+    helpers = {"env.sh", "launch.sh", "multinode.sh"}  # sourced, or several machines (dry run)
+    scripts = {p.name for p in SCRIPTS.glob("*.sh")} - helpers
+    trained = set(CASES)
+    for path in Path(__file__).parent.glob("test_*.py"):
+        found = set(re.findall(r'run_script\(\s*"([\w.]+\.sh)"', path.read_text()))
+        if found and path.name != Path(__file__).name:
+            assert "assert_script_trained(" in path.read_text(), f"{path.name}: {found} unchecked"
+        trained |= found
+    assert scripts == trained, f"not trained by any test: {sorted(scripts - trained)}"
 
 
 def dry_run(script: str, *args: str, **env: str) -> list[str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SFT_ARGS, RunResult, launch
+from conftest import SFT_ARGS, RunResult, run_inline
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -128,7 +128,7 @@ def test_training_run_equals_the_autograd_path(sft_single: RunResult, runs_dir: 
     same to float rounding; under ZeRO-2 (hooks on gradient accumulation) it stays off."""
     sft_single.check()
     assert "its gradient accumulates in place" in sft_single.output
-    off = launch(
+    off = run_inline(
         [*SFT_ARGS, "deepspeed=z0", "train.per_device_batch_size=4",
          "speed.tied_grads_in_place=false"],
         runs_dir / "sft-1rank-tied-autograd",
@@ -137,7 +137,7 @@ def test_training_run_equals_the_autograd_path(sft_single: RunResult, runs_dir: 
     losses = sft_single.losses()
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert losses == pytest.approx(off.losses(), rel=1e-6, abs=1e-7)
-    z2 = launch(
+    z2 = run_inline(
         [*SFT_ARGS, "deepspeed=z2", "train.per_device_batch_size=4", "train.max_steps=1"],
         runs_dir / "sft-1rank-z2-tied",
     ).check()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import COMMON, RunResult, launch
+from conftest import COMMON, RunResult, launch, run_inline
 
 from align_anything.backend.universal import load_deepspeed_file, unshare_step_counts
 
@@ -42,7 +42,7 @@ def test_z2_two_ranks_resumes_as_z3_one_rank(z2_two_ranks: RunResult, tmp_path: 
     step2 = z2_two_ranks.output_dir / "checkpoints" / "step-2"
     state = json.loads((step2 / "trainer_state.json").read_text())
     assert (state["zero_stage"], state["world_size"], state["global_batch"]) == (2, 2, 2)
-    resumed = launch(
+    resumed = run_inline(
         [*SFT, "deepspeed=z3", "train.per_device_batch_size=2", f"resume={step2}"],
         tmp_path / "z3-1rank",
     ).check()
@@ -77,12 +77,12 @@ def test_z2_two_ranks_resumes_as_z3_one_rank(z2_two_ranks: RunResult, tmp_path: 
 
 @pytest.mark.slow
 def test_a_zero0_checkpoint_cannot_change_stage(tmp_path: Path) -> None:
-    source = launch(
+    source = run_inline(
         [*SFT, "deepspeed=z0", "train.per_device_batch_size=2", "train.max_steps=2"],
         tmp_path / "z0",
     ).check()
     step2 = source.output_dir / "checkpoints" / "step-2"
-    result = launch(
+    result = run_inline(
         [*SFT, "deepspeed=z2", "train.per_device_batch_size=2", f"resume={step2}"],
         tmp_path / "z2",
     )

@@ -88,11 +88,15 @@ def dist_info() -> DistInfo:
 
 
 def teardown_distributed() -> None:
-    """Destroy the process group (end of run) and forget ZeRO-3 model construction."""
+    """Destroy the process group (end of run) and forget ZeRO-3 model construction.
+
+    Through DeepSpeed, which created the group (`setup_distributed`): its `destroy_process_group`
+    also drops the groups DeepSpeed cached from it (data-parallel, world), which a second run in
+    the same process (a notebook, the tests' in-process runs) would otherwise find stale."""
     global _DIST
     zero_init.forget()
     if dist.is_initialized():
-        dist.destroy_process_group()
+        deepspeed.comm.destroy_process_group()
     _DIST = None
 
 
