@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -278,3 +279,110 @@ def test_recomputed_step_log_probs_equal_the_rollouts() -> None:
         again, _ = sde.trained_step_log_probs(output, sampler, rollout.latents, steps)
     expected = torch.stack([rollout.log_probs[0, [2, 0]], rollout.log_probs[1, [1, 2]]])
     torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- rewards of images
+
+
+def shape(colour: str, name: str = "circle") -> Any:
+    from align_anything.families.text_to_image import shapes
+
+    return shapes.draw_shape(name, colour, side=16, centre=(16.0, 16.0))
+
+
+def test_shape_colour_is_the_pixel_rule_of_the_colour_check() -> None:
+    from align_anything.rewards import shape_colour
+
+    images = [shape("red"), shape("blue", "square"), shape("green"), shape("red")]
+    prompts = ["a red circle", "a red square", "a green circle", "a circle"]
+    assert shape_colour(prompts=prompts, images=images) == [1.0, 0.0, 1.0, None]
+
+
+def test_image_rewards_share_the_text_path(tmp_path) -> None:  # noqa: ANN001
+    """Images go through `score_completions` as completions do: the keyword `images`, the
+    fields, weights, None, and one message naming the function, the row and the image."""
+    from align_anything.rewards.functions import RewardError, score_completions
+
+    seen = {}
+
+    def brightness(prompts: list, images: list, level: list, **kwargs) -> list:  # noqa: ANN003
+        seen.update(prompts=prompts, images=images, level=level, kwargs=kwargs)
+        return [None if lv is None else float(im.getpixel((16, 16))[0] > 100) * lv
+                for im, lv in zip(images, level, strict=True)]  # fmt: skip
+
+    def constant(prompts: list, images: list, **kwargs) -> list:  # noqa: ANN003
+        return [0.5] * len(images)
+
+    images = [shape("red"), shape("blue"), shape("red")]
+    total, per = score_completions(
+        [("brightness", brightness), ("constant", constant)], [2.0, 1.0],
+        prompts=["a red circle", "a blue circle", "a red circle"], images=images,
+        fields={"level": [1.0, 1.0, None]}, row_ids=["line 1", "line 2", "line 3"],
+    )  # fmt: skip
+    assert seen["images"] == images and seen["kwargs"] == {} and seen["level"] == [1.0, 1.0, None]
+    assert all(image.mode == "RGB" for image in seen["images"])
+    assert total.tolist() == [2.5, 0.5, 0.5]  # red pixel x2 + 0.5; none; None + 0.5
+    assert math.isnan(per["brightness"][2].item())
+
+    def short(prompts: list, images: list, **kwargs) -> list:  # noqa: ANN003
+        return [1.0]
+
+    with pytest.raises(RewardError) as err:
+        score_completions([("short", short)], [1.0], prompts=["a", "b"], images=images[:2],
+                          fields={}, row_ids=["line 7", "line 8"])  # fmt: skip
+    message = str(err.value)
+    assert "'short' on line 7 (image 32x32)" in message
+    assert "returned 1 values for 2 images; return one float (or None) per image" in message
+    with pytest.raises(ValueError, match="exactly one"):
+        score_completions([("c", constant)], [1.0], prompts=["a"], images=images[:1],
+                          completions=["x"], fields={}, row_ids=[0])  # fmt: skip
+
+
+def test_a_remote_reward_gets_images_as_base64_png() -> None:
+    import base64
+    import io
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import numpy as np
+    from PIL import Image
+
+    from align_anything.rewards.remote import RemoteReward
+
+    bodies = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            decoded = [Image.open(io.BytesIO(base64.b64decode(e))) for e in body["images"]]
+            rewards = [float(np.asarray(im)[16, 16, 2]) for im in decoded]  # the blue channel
+            data = json.dumps({"rewards": rewards}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        reward = RemoteReward(f"http://127.0.0.1:{server.server_port}/score", timeout_s=10,
+                              retries=0, backoff_s=0, max_rows=2)  # fmt: skip
+        images = [shape("red"), shape("blue"), shape("cyan")]
+        got = reward(prompts=["a", "b", "c"], images=images, tag=[1, 2, 3])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    expected = [float(np.asarray(im)[16, 16, 2]) for im in images]
+    assert got == expected and expected[1] > 100 > expected[0]
+    assert [len(b["images"]) for b in bodies] == [2, 1]  # max_rows per request
+    assert bodies[0]["prompts"] == ["a", "b"] and bodies[1]["tag"] == [3]
+    assert "completions" not in bodies[0]
+    sent = Image.open(io.BytesIO(base64.b64decode(bodies[0]["images"][1])))
+    assert np.array_equal(np.asarray(sent), np.asarray(images[1]))  # lossless
