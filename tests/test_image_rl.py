@@ -386,3 +386,64 @@ def test_a_remote_reward_gets_images_as_base64_png() -> None:
     assert "completions" not in bodies[0]
     sent = Image.open(io.BytesIO(base64.b64decode(bodies[0]["images"][1])))
     assert np.array_equal(np.asarray(sent), np.asarray(images[1]))  # lossless
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture
+def prompts_file(tmp_path):  # noqa: ANN001, ANN201
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(f'{{"prompt": "a red circle", "tag": {i}}}\n' for i in range(4)))
+    return path
+
+
+@pytest.mark.usefixtures("in_process_offline")
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["task=dance_grpo", "model.name_or_path=tiny-random-sd", "dance_grpo.eta=0"],
+            "dance_grpo.eta=0: the ddim sampler of tiny-random-sd (sd, epsilon) with noise 0 is "
+            "deterministic at every one of its 3 steps, so no step has a log-probability to train "
+            "on: set eta",
+        ),
+        (
+            ["task=flow_grpo", "model.name_or_path=tiny-random-sd"],
+            "task=flow_grpo samples with the flow SDE of flow-matching pipelines (sd3, flux), but "
+            "tiny-random-sd is a sd pipeline (epsilon prediction): use task=dance_grpo",
+        ),
+        (
+            ["task=flow_grpo", "model.name_or_path=tiny-random-sd3", "flow_grpo.num_generations=1"],
+            "flow_grpo.num_generations",
+        ),
+        (
+            ["task=diffusion_nft", "model.name_or_path=tiny-random-sd3", "reward.model=tests"],
+            "reward.model='tests' is a reward model trained by task=rm, "
+            "which scores text; task=diffusion_nft scores images",
+        ),
+    ],
+    ids=["eta-0", "flow-on-sd", "one-generation", "text-reward-model"],
+)
+def test_bad_input_is_one_message_before_any_compute(
+    prompts_file,
+    tmp_path,
+    capsys,
+    args: list[str],
+    expected: str,  # noqa: ANN001
+) -> None:
+    from align_anything.train import main
+
+    task = args[0].split("=")[1]
+    status = main([*args, f"data.path={prompts_file}", f"data.eval_path={prompts_file}",
+                   f"{task}.rollout_steps=3", "deepspeed=z0", "train.precision=fp32",
+                   f"output_dir={tmp_path / 'out'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert status == 2, err
+    # (a library's logging warning of an earlier test may precede it on the captured stream)
+    assert f"error: {expected}" in err or "error: 1 problem in the configuration" in err, err
+    assert expected in err and err.count("error:") == 1, err
+    assert (
+        not (tmp_path / "out" / "metrics.jsonl").exists()
+        or "loss" not in (tmp_path / "out" / "metrics.jsonl").read_text()
+    )

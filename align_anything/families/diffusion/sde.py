@@ -282,7 +282,12 @@ def guided_prediction(
         return predict(denoiser, info, sample, timesteps, conditioning)
     if unconditional is None:
         raise ValueError("guidance_scale > 1 needs the unconditional embeddings")
-    both = {key: torch.cat([unconditional[key], conditioning[key]]) for key in conditioning}
+    # What the unconditional half lacks (SDXL's size and crop ids) is the conditional's, as
+    # diffusers' pipelines repeat it.
+    both = {
+        key: torch.cat([unconditional.get(key, value), value])
+        for key, value in conditioning.items()
+    }
     output = predict(denoiser, info, sample.repeat(2, *([1] * (sample.dim() - 1))),
                      timesteps.repeat(2), both)  # fmt: skip
     uncond, cond = output.chunk(2)
