@@ -70,10 +70,43 @@ def _exchange(a: Path, b: Path) -> bool:
     return result == 0
 
 
+def umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (/proc): setting it
+    to read it back would, for that moment, give other threads' new files another mode."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def respect_umask(folder: Path) -> None:
+    """Give every file under `folder` the mode a plain `open()` gives under the umask (0644
+    under 022; execute bits kept): some writers create their files 0600 whatever the umask
+    (safetensors' `save_file`, which writes every weight file here: model, adapter, EMA), so
+    another user, or a serving container running as one, could not read the weights beside
+    configs it can read."""
+    mask = umask()
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = Path(root) / name
+            if path.is_symlink():
+                continue
+            mode = path.stat().st_mode & 0o777
+            wanted = (0o666 | (mode & 0o111)) & ~mask
+            if mode != wanted:
+                path.chmod(wanted)
+
+
 def publish(tmp: Path, final: Path) -> Path:
     """Make the complete folder `tmp` visible as `final`; an older `final` is swapped out
-    atomically and then deleted."""
+    atomically and then deleted. Its files first get the umask's mode (`respect_umask`)."""
     tmp, final = Path(tmp), Path(final)
+    respect_umask(tmp)
     flush_tree(tmp)
     if final.is_dir() and not final.is_symlink():
         if _exchange(tmp, final):  # `final` is the new folder now, `tmp` the old one

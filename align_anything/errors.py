@@ -68,6 +68,12 @@ class Preempted(BaseException):  # noqa: N818 (not an error: a requested stop)
         self.signum = signum
 
 
+class AlreadyFinished(Exception):  # noqa: N818 (not an error: nothing left to do)
+    """`resume` on a run that finished (run.json `complete`, `final/` written) at a step this
+    run's schedule does not go past: nothing is trained, evaluated or written. The entry point
+    prints the message and exits 0, as a job re-submitted after it had finished should."""
+
+
 def report(err: UserError) -> int:
     """Print a user error the way every command-line tool here does; returns the exit status."""
     print(f"error: {err}", file=sys.stderr)

@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # `~key` (Hydra's deletion) has no "="; the config parser explains that it is not supported.
     bad = [a for a in args if "=" not in a and not a.startswith("~")]
-    from align_anything.errors import Preempted, UserError
+    from align_anything.errors import AlreadyFinished, Preempted, UserError
 
     try:
         if bad:
@@ -88,6 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = "error" if rank == "0" else f"error (rank {rank})"
         print(f"{prefix}: {err}", file=sys.stderr, flush=True)
         return _stopped(2)
+    except AlreadyFinished as done:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"note: {done}", flush=True)
+        return _stopped(0)
     except Preempted as stop:
         if os.environ.get("RANK", "0") == "0":
             print(str(stop), file=sys.stderr, flush=True)

@@ -146,6 +146,12 @@ CASES = [
     ("max-steps-zero", ["task=sft", TINY, "train.max_steps=0"],
      ["train.max_steps: must be a number of optimizer steps >= 1, or -1 to run `train.epochs` "
       "epochs (given: 0)"]),
+    # fp16 on a CPU once failed in DeepSpeed after the model had loaded (issue #38 case 12).
+    ("fp16-on-cpu", ["task=sft", TINY, "train.precision=fp16"],
+     ["train.precision=fp16, but this device (cpu) trains in bf16 or fp32 only",
+      "set train.precision=fp32"]),
+    ("fp16-preset-on-cpu", ["task=dpo", TINY, "deepspeed.fp16.enabled=true"],
+     ["the preset enables fp16, but this device (cpu) trains in bf16 or fp32 only"]),
     ("zero-micro-batch", ["task=sft", "train.per_device_batch_size=0"],
      ["train.per_device_batch_size", "positive integer or 'auto'", "given: 0"]),
     ("eval-fraction-over-one", ["task=sft", "data.eval_fraction=1.5"],

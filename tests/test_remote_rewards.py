@@ -283,7 +283,11 @@ def test_answers_that_are_not_rewards(stub) -> None:
     with pytest.raises(RewardError, match=r"no list 'rewards' \(found \['scores'\]\)"):
         score(remote(server.url), count=1)
     server = stub(lambda k, body: (200, b'{"rewards": ["high"]}', 0))
-    with pytest.raises(RewardError, match="'remote' on line 1 .* returned 'high' \\(str\\)"):
+    with pytest.raises(
+        RewardError,
+        match=f"'remote' on line 1 .*: POST {server.url}: reward 1 "
+        'of the answer is "high" \\(a str, not a number\\)',
+    ):
         score(remote(server.url), count=1)
 
 

@@ -115,8 +115,13 @@ def test_resume_auto_falls_back_past_a_truncated_checkpoint(
     finished_run: RunResult, tmp_path: Path
 ) -> None:
     """Through the real command line: step-3 truncated, resume=auto takes step-2, says why,
-    and step 3 run again gives the uninterrupted run's loss; step-3's files are not touched."""
+    and step 3 run again gives the uninterrupted run's loss; step-3's files are not touched.
+    run.json as a run killed while writing step 3's export leaves it (`running`): a run that
+    had finished would have nothing to do (test_new_ground.py)."""
     run = copy_run(finished_run, tmp_path / "run")
+    record = json.loads((run / "run.json").read_text())
+    record.pop("final_step")
+    (run / "run.json").write_text(json.dumps({**record, "status": "running"}))
     step3 = run / "checkpoints" / "step-3"
     reason = _break_truncated_pt(step3)
     broken = snapshot(step3)

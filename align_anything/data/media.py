@@ -8,13 +8,22 @@ file's folder, or absolute), raw bytes, or a ``{"path": ..., "bytes": ...}`` dic
 `probe_image` / `probe_audio` read only what a data check needs (an image's header for its size,
 a WAV header for its length), so the check over every row at data preparation is cheap and
 loads nothing into memory.
+
+Images are read as they are displayed, as 8-bit RGB (`to_rgb`): the EXIF orientation a camera
+or phone records is applied (`ImageOps.exif_transpose`); 16-bit (and 32-bit integer) grayscale
+is scaled to 8 bits, not clipped (PIL's own conversion clips every value above 255 to white);
+transparent pixels are laid on white; CMYK, palette and the other modes PIL reads go through
+PIL's conversion. Floating-point images (mode F: no fixed range to map to 0..255) are refused,
+as is an image of more than `MAX_IMAGE_PIXELS` pixels (`data.max_image_pixels`: the guard
+against decompression bombs, checked from the header before any pixel is decoded).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import wave
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +31,14 @@ import numpy as np
 
 # Record keys that hold media, and the modality each holds.
 MEDIA_KEYS = {"images": "image", "audio": "audio"}
+# The most pixels an image may have (`data.max_image_pixels`'s default): PIL's own guard
+# against decompression bombs (a small file that decodes to gigabytes).
+MAX_IMAGE_PIXELS = 89_478_485
+# EXIF tag 0x0112: how the stored pixels are turned for display; 5-8 swap width and height.
+_ORIENTATION = 0x0112
+# Integer grayscale modes read as 16-bit values (0..65535), scaled to 8 bits by 1/257.
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+_WITH_ALPHA = ("RGBA", "RGBa", "LA", "La", "PA")
 
 
 class MediaUnreadable(Exception):
@@ -98,36 +115,119 @@ def _jpeg_is_whole(source: Any) -> bool:
     return b"\xff\xd9" in tail
 
 
-def probe_image(ref: Any, base_dir: Path | None) -> tuple[int, int]:
-    """(width, height) from the image header, after checking that the file is whole without
-    decoding it: a PNG's chunks and checksums (PIL's `verify`), a JPEG's end marker (where it
-    is missing, the image is decoded). Raises `MediaUnreadable`."""
-    from PIL import Image, UnidentifiedImageError
+@contextlib.contextmanager
+def _opened(source: Any, ref: Any, max_pixels: int | None) -> Iterator[Any]:
+    """PIL's `Image.open` with our pixel limit instead of PIL's: PIL's guard is a process-wide
+    setting that warns past its limit and raises past twice it, naming no file and no way to
+    allow it; here an image over `max_pixels` (None: no limit) is a `MediaUnreadable` naming
+    the file and `data.max_image_pixels`."""
+    from PIL import Image
+
+    limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+    try:
+        image = Image.open(source)  # reads the header, not the pixels
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+    with image:
+        width, height = image.size
+        if max_pixels is not None and width * height > max_pixels:
+            raise MediaUnreadable(
+                f"image {describe(ref)} is {width}x{height} = {width * height:,} pixels, more "
+                f"than data.max_image_pixels={max_pixels} (a guard against decompression bombs: "
+                "a small file that decodes to gigabytes). If you trust the file, raise the "
+                f"limit, e.g. data.max_image_pixels={width * height}; or resize the image"
+            )
+        yield image
+
+
+def _refuse_mode(image: Any, ref: Any) -> None:
+    if image.mode == "F":
+        raise MediaUnreadable(
+            f"image {describe(ref)} holds floating-point pixels (mode F), whose range has no "
+            "fixed mapping to 0..255: save it as an 8- or 16-bit PNG"
+        )
+
+
+def _orientation(image: Any) -> int | None:
+    """The EXIF orientation from the header. A PNG's EXIF is read only where it precedes the
+    pixel data: PIL's `getexif` would decode the image to look past them (and `verify` must
+    come first); `to_rgb` applies an orientation found anywhere."""
+    from PIL import Image
+
+    if image.format == "PNG":
+        raw = image.info.get("exif")
+        if not raw:
+            return None
+        exif = Image.Exif()
+        exif.load(raw)
+        return exif.get(_ORIENTATION)
+    return image.getexif().get(_ORIENTATION)
+
+
+def probe_image(
+    ref: Any, base_dir: Path | None, *, max_pixels: int | None = MAX_IMAGE_PIXELS
+) -> tuple[int, int]:
+    """(width, height) as displayed (after the EXIF orientation) from the image header, after
+    checking that the file is whole without decoding it: a PNG's chunks and checksums (PIL's
+    `verify`), a JPEG's end marker (where it is missing, the image is decoded), and that it
+    has at most `max_pixels` pixels and pixels `to_rgb` converts. Raises `MediaUnreadable`."""
+    from PIL import UnidentifiedImageError
 
     source = _image_source(ref, base_dir)
     try:
-        with Image.open(source) as image:  # reads the header, not the pixels
+        with _opened(source, ref, max_pixels) as image:
             size, kind = image.size, image.format
+            _refuse_mode(image, ref)
+            if _orientation(image) in (5, 6, 7, 8):
+                size = (size[1], size[0])
             if kind == "PNG":
                 image.verify()
         if kind == "JPEG" and not _jpeg_is_whole(source):
             if isinstance(source, io.BytesIO):
                 source.seek(0)
-            with Image.open(source) as image:
+            with _opened(source, ref, max_pixels) as image:
                 image.load()
     except (UnidentifiedImageError, OSError, SyntaxError) as err:  # verify raises SyntaxError
         raise MediaUnreadable(f"image {describe(ref)} cannot be read: {err}") from None
     return size
 
 
-def load_image(ref: Any, base_dir: Path | None) -> Any:
-    """The decoded RGB image (PIL)."""
-    from PIL import Image
+def to_rgb(image: Any, ref: Any = "image") -> Any:
+    """`image` (PIL, any mode) as displayed, in 8-bit RGB (see the module docstring): the EXIF
+    orientation applied, 16-bit grayscale scaled rather than clipped, transparency laid on
+    white. Raises `MediaUnreadable` (naming `ref`) for pixels with no such conversion."""
+    from PIL import Image, ImageOps
 
+    _refuse_mode(image, ref)
+    try:
+        image = ImageOps.exif_transpose(image)
+        if image.mode in _SIXTEEN_BIT:
+            values = np.asarray(image)
+            if values.size and (values.min() < 0 or values.max() > 65535):
+                raise MediaUnreadable(
+                    f"image {describe(ref)} holds 32-bit integer pixels outside 0..65535 "
+                    f"({values.min()}..{values.max()}): save it as an 8- or 16-bit PNG"
+                )
+            scaled = np.rint(values.astype(np.float64) / 257.0).astype(np.uint8)
+            return Image.fromarray(scaled, mode="L").convert("RGB")
+        if image.mode in _WITH_ALPHA or "transparency" in image.info:
+            rgba = image.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return image.convert("RGB")
+    except (ValueError, OSError) as err:  # a mode PIL cannot convert; damaged pixel data
+        raise MediaUnreadable(f"image {describe(ref)} cannot be decoded: {err}") from None
+
+
+def load_image(
+    ref: Any, base_dir: Path | None, *, max_pixels: int | None = MAX_IMAGE_PIXELS
+) -> Any:
+    """The decoded image (PIL) as displayed, in 8-bit RGB (`to_rgb`)."""
     source = _image_source(ref, base_dir)
     try:
-        with Image.open(source) as image:
-            return image.convert("RGB")
+        with _opened(source, ref, max_pixels) as image:
+            image.load()
+            return to_rgb(image, ref)
     except OSError as err:
         raise MediaUnreadable(f"image {describe(ref)} cannot be decoded: {err}") from None
 

@@ -15,7 +15,8 @@ Built-in names serve the offline default run and the tests:
   same way.
 - `tiny-t2i-shapes`: the project's own trained text-to-image pipeline (a diffusers folder,
   ~3 MB, shipped in the package: `families/text_to_image/shapes_model.py`), not built but read
-  where it lies.
+  where it lies; `tiny-t2i-shapes-flow`, its flow-matching (SD3-style) sibling, likewise
+  (`families/text_to_image/shapes_flow_model.py`).
 
 Each builder lives in its family's room (`families/<family>/builtin.py` or `tiny.py`); this
 table names it by its import path, so the zoo sits below every family.
@@ -87,9 +88,15 @@ def _complete(folder: Path) -> bool:
 # Built-in name -> a folder shipped inside the package (trained weights; nothing to build).
 SHIPPED_MODELS: dict[str, Path] = {
     "tiny-t2i-shapes": Path(__file__).parent / "text_to_image" / "builtin" / "tiny-t2i-shapes",
+    "tiny-t2i-shapes-flow": (
+        Path(__file__).parent / "text_to_image" / "builtin" / "tiny-t2i-shapes-flow"
+    ),
 }
 # The family of each shipped model.
-SHIPPED_FAMILIES: dict[str, str] = {"tiny-t2i-shapes": "text_to_image"}
+SHIPPED_FAMILIES: dict[str, str] = {
+    "tiny-t2i-shapes": "text_to_image",
+    "tiny-t2i-shapes-flow": "text_to_image",
+}
 
 
 def names_of(family: str) -> list[str]:

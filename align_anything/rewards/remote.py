@@ -9,8 +9,9 @@ model this way):
 
 one entry per completion in every list, exactly the arguments a reward function gets (a prompt
 is repeated for its G completions; the fields are the prompt data's other columns); a reward is
-a number or null ("no opinion", as a function's None). Rows go in requests of at most
-`max_rows` each, one after the other.
+a finite number or null ("no opinion", as a function's None): NaN, Infinity, a string or a
+boolean (`true` is an answer to another question, not a reward of 1) fail the request, naming
+the URL and the row. Rows go in requests of at most `max_rows` each, one after the other.
 
 The text-to-image tasks send images in place of completions, each as the base64 text of its PNG
 file (RGB, the run's resolution; lossless, so the server sees exactly the generated pixels):
@@ -26,8 +27,10 @@ the functions and the reward model), scored on every completion and added up wit
 what OpenRLHF does with several `remote_rm_url`s (each one a reward model, every sample sent to
 each). Spreading rows over replicas of one server is a load balancer's job, in front of one URL.
 
-Failures: a connection error, a timeout (`timeout_s` bounds each wait for the server, as
-urllib's timeout does), HTTP 408, 429 or 5xx is retried `retries` times after backoff_s,
+Failures: a connection error, a timeout (`timeout_s` is a deadline for the whole answer, from
+connecting to its last byte: a server that trickles its answer a byte at a time is cut off
+there, which urllib's own timeout, a bound on each wait for the next bytes, would not do),
+HTTP 408, 429 or 5xx is retried `retries` times after backoff_s,
 2·backoff_s, 4·backoff_s, … seconds; any other HTTP error (401, 400, …), an answer that is not
 JSON or not `{"rewards": [...]}`, or the wrong number of rewards fails at once (a retry would
 get the same). Either way one `RowsFailed` names the URL and what happened, and
@@ -40,13 +43,18 @@ value appear in any message, and URLs are shown without user info or query strin
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import math
 import os
+import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from align_anything.errors import ConfigError
@@ -107,11 +115,85 @@ def headers_from_env(name: str | None, *, key: str = "reward.remote.headers_env"
 
 
 class _Attempt(Exception):
-    """One failed attempt: `retry` says whether another attempt may succeed."""
+    """One failed attempt: `retry` says whether another attempt may succeed; `row`, the
+    answer's position at fault, when one is (its row alone is named)."""
 
-    def __init__(self, message: str, *, retry: bool) -> None:
+    def __init__(self, message: str, *, retry: bool, row: int | None = None) -> None:
         super().__init__(message)
-        self.retry = retry
+        self.retry, self.row = retry, row
+
+
+class _Deadline:
+    """A deadline for one request: when it passes, every socket the request opened is shut
+    down, which ends a read blocked on it at once (a timer thread does it; `cancel` stops
+    the timer once the answer is complete)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self.expired
+        if expired:
+            _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut(sock)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _watched(base: type, deadline: _Deadline) -> type:
+    """An `http.client` connection class whose sockets `deadline` watches."""
+
+    class Watched(base):  # type: ignore[misc, valid-type]
+        def connect(self) -> None:
+            super().connect()
+            deadline.watch(self.sock)
+
+    return Watched
+
+
+def _opener(deadline: _Deadline) -> urllib.request.OpenerDirector:
+    """urllib's opener (proxies from the environment, redirects, HTTPS) whose connections
+    `deadline` watches."""
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req: Any) -> Any:
+            return self.do_open(_watched(http.client.HTTPConnection, deadline), req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req: Any) -> Any:
+            return self.do_open(
+                _watched(http.client.HTTPSConnection, deadline), req, context=self._context
+            )
+
+    return urllib.request.build_opener(HTTP, HTTPS)
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[_Deadline]:
+    deadline = _Deadline(seconds)
+    try:
+        yield deadline
+    finally:
+        deadline.cancel()
 
 
 class RemoteReward:
@@ -183,7 +265,8 @@ class RemoteReward:
                 return self._parse(self._post(data), len(rows))
             except _Attempt as failed:
                 if not failed.retry:
-                    raise RowsFailed(f"{where}: {failed}", rows) from None
+                    at_fault = rows if failed.row is None else [rows[failed.row]]
+                    raise RowsFailed(f"{where}: {failed}", at_fault) from None
                 if attempt + 1 == attempts:
                     tries = f"{attempts} attempts" if attempts > 1 else "1 attempt (no retries)"
                     raise RowsFailed(
@@ -195,24 +278,36 @@ class RemoteReward:
         raise AssertionError("unreachable")
 
     def _post(self, data: bytes) -> bytes:
+        """The answer's body, complete within `timeout_s` of the start, or `_Attempt`."""
         request = urllib.request.Request(self.url, data=data, headers=self._headers, method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310
-                return response.read()
-        except urllib.error.HTTPError as err:
+        late = _Attempt(f"no answer within {self.timeout_s:g} s", retry=True)
+        with _deadline(self.timeout_s) as deadline:
+            try:
+                with _opener(deadline).open(request, timeout=self.timeout_s) as response:
+                    body = response.read()
+            except Exception as err:  # noqa: BLE001 - what a cut connection raises varies
+                raise (late if deadline.expired else self._failed(err, late)) from None
+        if deadline.expired:  # an answer without a length, cut short at the deadline
+            raise late
+        return body
+
+    @staticmethod
+    def _failed(err: Exception, late: _Attempt) -> _Attempt:
+        """The `_Attempt` of one request's exception (before the deadline passed)."""
+        if isinstance(err, urllib.error.HTTPError):
             detail = _server_says(err)
-            raise _Attempt(
+            return _Attempt(
                 f"HTTP {err.code} {err.reason}{detail}", retry=err.code in RETRIED_STATUSES
-            ) from None
-        except urllib.error.URLError as err:
-            reason = err.reason
-            if isinstance(reason, TimeoutError):
-                raise _Attempt(f"no answer within {self.timeout_s:g} s", retry=True) from None
-            raise _Attempt(f"cannot connect ({reason})", retry=True) from None
-        except TimeoutError:
-            raise _Attempt(f"no answer within {self.timeout_s:g} s", retry=True) from None
-        except (ConnectionError, OSError) as err:  # reset while reading, …
-            raise _Attempt(f"connection failed ({type(err).__name__}: {err})", retry=True) from None
+            )
+        if isinstance(err, urllib.error.URLError):
+            if isinstance(err.reason, TimeoutError):
+                return late
+            return _Attempt(f"cannot connect ({err.reason})", retry=True)
+        if isinstance(err, TimeoutError):
+            return late
+        if isinstance(err, (OSError, http.client.HTTPException)):  # reset, cut short, …
+            return _Attempt(f"connection failed ({type(err).__name__}: {err})", retry=True)
+        raise err
 
     @staticmethod
     def _parse(raw: bytes, count: int) -> list[float | None]:
@@ -234,8 +329,23 @@ class RemoteReward:
                 f"answered {len(rewards)} rewards for the {count} completions sent; {expected}",
                 retry=False,
             )
-        # Numbers and nulls pass on; `score_completions` names a row whose value is not a number.
-        return list(rewards)
+        for index, value in enumerate(rewards):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                kind = "a boolean" if isinstance(value, bool) else f"a {type(value).__name__}"
+                raise _Attempt(
+                    f"reward {index + 1} of the answer is {json.dumps(value)} ({kind}, not a "
+                    f"number); {expected}",
+                    retry=False, row=index,
+                )  # fmt: skip
+            if not math.isfinite(value):
+                raise _Attempt(
+                    f"reward {index + 1} of the answer is {json.dumps(value)}, not a finite "
+                    f"number (null is no opinion); {expected}",
+                    retry=False, row=index,
+                )  # fmt: skip
+        return [None if v is None else float(v) for v in rewards]
 
 
 def png_base64(image: Any) -> str:

@@ -29,19 +29,25 @@ def _messages(row: dict[str, Any], name: str) -> list[dict[str, str]]:
         raise DataError(f"{name}: {reason}") from None
 
 
-def _not_a_reward_model(model_dir: str, what: str) -> ModelError:
+def _not_a_reward_model(model_dir: str, what: str, *, trainable: bool = True) -> ModelError:
+    train = (
+        f" (to train one from this model: python -m align_anything.train task=rm "
+        f"model.name_or_path={model_dir})"
+        if trainable
+        else ""
+    )
     return ModelError(
         f"{model_dir} is {what}, not a reward model: score needs a model with a one-output score "
-        "head, the output_dir/final of a task=rm run (to train one from this model: "
-        f"python -m align_anything.train task=rm model.name_or_path={model_dir})"
+        f"head, the output_dir/final of a task=rm run{train}"
     )
 
 
-def _check_reward_config(model_dir: str) -> None:
-    """Refuse a folder that is not a reward model from its config.json, before any weights load."""
+def _check_reward_config(model_dir: str, folder: Path) -> None:
+    """Refuse a folder that is not a reward model from its config.json, before any weights
+    load (`model_dir`: the name as given, for messages; `folder`: where it resolved)."""
     from transformers import AutoConfig
 
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
     architectures = [str(a) for a in config.get("architectures") or []]
     if architectures and not any("ForSequenceClassification" in a for a in architectures):
         kind = (
@@ -50,7 +56,7 @@ def _check_reward_config(model_dir: str) -> None:
             else "a model without a score head"
         )
         raise _not_a_reward_model(model_dir, f"{kind} ({', '.join(architectures)})")
-    num_labels = AutoConfig.from_pretrained(model_dir).num_labels
+    num_labels = AutoConfig.from_pretrained(folder).num_labels
     if num_labels != 1:
         raise ModelError(
             f"{model_dir}: expected a reward model with one output, found {num_labels} "
@@ -61,7 +67,9 @@ def _check_reward_config(model_dir: str) -> None:
 def load_reward_model(model_dir: str) -> tuple[Any, Any]:
     """(model, tokenizer) of a reward model: a plain folder (output_dir/final, or one written by
     `python -m align_anything export`) or the LoRA adapter folder final/ of an rm run (the
-    adapter is applied to its base model, as `export` would merge it)."""
+    adapter is applied to its base model, as `export` would merge it). A built-in model name
+    resolves as `train`'s model.name_or_path does (none is a reward model: the message says
+    how to train one from it)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -69,7 +77,9 @@ def load_reward_model(model_dir: str) -> tuple[Any, Any]:
     from align_anything.families.language.loading import load_model
     from align_anything.families.zoo import resolve_model_path
 
-    folder = Path(model_dir)
+    folder = Path(resolve_model_path(model_dir, key="model"))
+    if (folder / "model_index.json").is_file() and not (folder / "config.json").exists():
+        raise _not_a_reward_model(model_dir, "a diffusers text-to-image pipeline", trainable=False)
     if lora.is_adapter_folder(folder):
         adapter = json.loads((folder / "adapter_config.json").read_text())
         run_file = folder / "run_config.json"
@@ -86,7 +96,7 @@ def load_reward_model(model_dir: str) -> tuple[Any, Any]:
             f"{model_dir}: not a model folder (no config.json or adapter_config.json); pass "
             "output_dir/final of an rm run"
         )
-    _check_reward_config(model_dir)
+    _check_reward_config(model_dir, folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = load_model(str(folder), reward=True, dtype=torch.float32)
     return model, tokenizer

@@ -10,6 +10,10 @@ another's results (`run.json`).
 - A fresh run into a folder that already holds a run refuses, naming `resume=auto` and
   `overwrite_output_dir=true`; with the latter, the old run's outputs (and only those) are
   removed before anything new is written, so old and new never mix.
+- Resuming a run that finished (run.json `complete`, with the step of `final/`) does nothing
+  and changes nothing unless the schedule now goes past that step (`train.max_steps` raised):
+  `claim` reports the finished step, and set-up decides once the schedule is known
+  (`check_finished`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from align_anything import atomic
-from align_anything.errors import CheckpointError, ConfigError
+from align_anything.errors import AlreadyFinished, CheckpointError, ConfigError
 from align_anything.training import checkpoints
 
 LOCK = ".lock"
@@ -178,18 +182,60 @@ def remove_previous(output_dir: Path) -> list[str]:
 
 def claim(
     output_dir: Path, lock: Lock, *, resume: str | None, overwrite: bool
-) -> tuple[str, str | None]:
+) -> tuple[str, str | None, int | None]:
     """Take `output_dir` for a run: check it is a writable folder, take the lock, and decide
-    the run id and the checkpoint to resume from (None: start fresh). Refuses to replace an
-    earlier run's results unless `overwrite` (which removes them first). Prints what it did or
-    skipped, also when it refuses. Run on one rank (rank 0)."""
+    the run id, the checkpoint to resume from (None: start fresh) and, when this resumes a run
+    that finished, the step it finished at (`check_finished` decides once the schedule is
+    known). Refuses to replace an earlier run's results unless `overwrite` (which removes them
+    first). Prints what it did or skipped, also when it refuses. Run on one rank (rank 0)."""
     notes: list[str] = []
     try:
         run_id, path = _claim(output_dir, lock, resume=resume, overwrite=overwrite, notes=notes)
+        finished = _finished_step(output_dir, path) if resume is not None else None
     finally:
         for note in notes:
             print(f"note: {note}", flush=True)
-    return run_id, str(path) if path else None
+    return run_id, str(path) if path else None, finished
+
+
+def _finished_step(output_dir: Path, resume_dir: Path | None) -> int | None:
+    """The step at which the run in `output_dir` finished (run.json `complete` with the step of
+    `final/`), when `resume_dir` (None: no checkpoint left) is a checkpoint of that run; else
+    None."""
+    run = read_run(output_dir) or {}
+    step = run.get("final_step")
+    if run.get("status") != "complete" or not isinstance(step, int):
+        return None
+    if resume_dir is not None and checkpoints.run_id_of(resume_dir) != run.get("run_id"):
+        return None
+    return step
+
+
+def check_finished(output_dir: Path, *, finished_step: int, resume_dir: Path | None,
+                   total_steps: int) -> None:  # fmt: skip
+    """A resumed run whose schedule (`total_steps`) does not go past the step at which it
+    finished raises `AlreadyFinished` (nothing to do, exit 0); one that does continues from
+    `resume_dir`, and without a checkpoint to continue from it is a `ConfigError`."""
+    where = f"output_dir={str(output_dir)!r}"
+    if total_steps <= finished_step:
+        more = (
+            f"continues from {resume_dir.name}"
+            if resume_dir is not None
+            else "needs a checkpoint to continue from, and it has none (checkpoint.every_steps)"
+        )
+        raise AlreadyFinished(
+            f"{where} holds a run that finished at step {finished_step} (final/ and "
+            f"summary.json written): nothing to do, nothing changed. To train further, raise "
+            f"train.max_steps (or train.epochs) past {finished_step} steps (this run has "
+            f"{total_steps}): it {more}; to start over, overwrite_output_dir=true."
+        )
+    if resume_dir is None:
+        raise ConfigError(
+            f"{where} holds a run that finished at step {finished_step}, and this run would go "
+            f"on to step {total_steps}, but no checkpoint of it is left to continue from (it "
+            "ran with checkpoint.every_steps=0, or its checkpoints were removed). Start over "
+            "with overwrite_output_dir=true, or use another output_dir=…"
+        )
 
 
 def _claim(
@@ -226,6 +272,8 @@ def _claim(
         notes += [f"resume=auto skipped {s.describe()}" for s in skipped]
         if found is not None:
             return checkpoints.run_id_of(found) or new_run_id(), found
+        if _finished_step(out, None) is not None and run.get("run_id"):
+            return run["run_id"], None  # finished without a checkpoint: `check_finished`
         if previous:
             why = "; ".join(s.describe() for s in skipped)
             raise refuse_existing(

@@ -32,13 +32,15 @@ from align_anything.training.tracking import MetricsLogger
 
 @dataclass(frozen=True)
 class OutputClaim:
-    """The output folder this run holds: its lock (rank 0), the run id, and the complete
-    checkpoint it resumes from (None: a fresh run)."""
+    """The output folder this run holds: its lock (rank 0), the run id, the complete
+    checkpoint it resumes from (None: a fresh run), and the step at which the run it resumes
+    had finished (None: it had not)."""
 
     path: Path
     lock: Lock
     run_id: str
     resume_dir: Path | None
+    finished_step: int | None = None
 
 
 @dataclass

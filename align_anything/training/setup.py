@@ -71,9 +71,10 @@ def setup(cfg: RunConfig, spec: TaskSpec, stack: ExitStack) -> Run:
                              resume_state)  # fmt: skip
     schedule = (spec.schedule or row_schedule)(cfg, data, ds_plan.batch)
     if resume_state is not None:
-        assert output.resume_dir is not None
-        summary += check_resume(cfg, output.resume_dir, resume_state, data, ds_plan, schedule,
+        summary += check_resume(cfg, output, resume_state, data, ds_plan, schedule,
                                 warn=dist.is_main)  # fmt: skip
+    elif output.finished_step is not None:  # a finished run without a checkpoint left
+        check_finished(output, schedule)
     memory_before_model = memory.peak_memory_bytes()  # on CPU: interpreter, libraries, data
     policy, lines = family.build_policy(cfg, model, ds_plan, schedule, spec)
     summary += lines
@@ -102,6 +103,11 @@ def start_process(cfg: RunConfig, stack: ExitStack) -> comm.DistInfo:
     # Distributed first: ranks decide data shards, and ZeRO-3 model construction needs it.
     dist = comm.setup_distributed()
     stack.callback(comm.teardown_distributed)
+    # The precision this device can train in, checked before anything loads (fp16 on a CPU is
+    # one message here, not DeepSpeed's error after the model has loaded).
+    deepspeed_plan.run_precision(
+        cfg, device_type=dist.device.type, bf16_supported=comm.bf16_supported()
+    )
     checkpoints.seed_everything(cfg.train.seed)
     return dist
 
@@ -112,10 +118,10 @@ def claim_output(cfg: RunConfig, dist: comm.DistInfo, stack: ExitStack) -> Outpu
     path = Path(cfg.output_dir)
     lock = outdir.Lock(path)
     stack.callback(lock.release)
-    run_id, resume = comm.decide_on_main(
+    run_id, resume, finished = comm.decide_on_main(
         lambda: outdir.claim(path, lock, resume=cfg.resume, overwrite=cfg.overwrite_output_dir)
     )
-    return OutputClaim(path, lock, run_id, Path(resume) if resume else None)
+    return OutputClaim(path, lock, run_id, Path(resume) if resume else None, finished)
 
 
 # ---------------------------------------------------------------------------- 3: the model
@@ -145,18 +151,33 @@ def plan_deepspeed(
     )  # fmt: skip
 
 
+def check_finished(output: OutputClaim, schedule: Schedule) -> None:
+    """A resumed run that had finished: nothing to do (`AlreadyFinished`) unless the schedule
+    now goes past its end (`output_dir.check_finished`)."""
+    assert output.finished_step is not None
+    outdir.check_finished(
+        output.path, finished_step=output.finished_step, resume_dir=output.resume_dir,
+        total_steps=schedule.total_steps,
+    )  # fmt: skip
+
+
 def check_resume(
-    cfg: RunConfig, resume_dir: Path, state: dict[str, Any], data: Data,
+    cfg: RunConfig, output: OutputClaim, state: dict[str, Any], data: Data,
     ds_plan: deepspeed_plan.DeepSpeedPlan, schedule: Schedule, *, warn: bool,
 ) -> list[str]:  # fmt: skip
     """The checks a resumed run passes before the model loads (same model, tokenizer, data,
-    global batch), the note on a changed schedule, and a checkpoint of another ZeRO stage or
-    world size converted once to DeepSpeed's universal format."""
+    global batch); a run that had finished stops there when it has nothing left to do
+    (`check_finished`: nothing written yet); the note on a changed schedule, and a checkpoint
+    of another ZeRO stage or world size converted once to DeepSpeed's universal format."""
+    resume_dir = output.resume_dir
+    assert resume_dir is not None
     checkpoints.check_resume(
         resume_dir, state, now={"model": cfg.model.name_or_path, **data.fingerprints},
         global_batch=ds_plan.batch.global_batch, allow_mismatch=cfg.checkpoint.allow_mismatch,
         warn=warn,
     )  # fmt: skip
+    if output.finished_step is not None:
+        check_finished(output, schedule)
     note = checkpoints.schedule_note(resume_dir.name, state, schedule.state(cfg))
     if ds_plan.universal:
         # Every trained engine's folder: the policy's, and e.g. PPO's critic's.
@@ -196,7 +217,8 @@ def start_logging(run: Run, family: ModelFamily, stack: ExitStack, *, task: str)
     run.logger = MetricsLogger(
         out, backends=cfg.logging.backends, project=cfg.logging.project,
         run_name=cfg.logging.run_name, config=cfg.to_dict(),
-        resume=run.output.resume_dir is not None,
+        resume_step=run.state.step if run.output.resume_dir is not None else None,
+        finished=run.output.finished_step == run.state.step,
     )  # fmt: skip
     stack.callback(run.logger.close)
     for name, data in run.configs().items():
@@ -248,5 +270,6 @@ def startup_facts(run: Run, family: ModelFamily, *, task: str) -> report.Startup
         logging_notes=list(run.logger.notes) if run.logger is not None else [],
         output_dir=str(run.output.path),
         resumed=(str(run.output.resume_dir), run.state.step) if run.output.resume_dir else None,
-        universal=ds_plan.universal, versions=versions.library_versions(),
+        universal=ds_plan.universal,
+        versions=versions.library_versions(lora=cfg.model.lora.enabled),
     )  # fmt: skip

@@ -46,9 +46,38 @@ def check_backends(backends: Sequence[str]) -> None:
         )
 
 
+def keep_records_until(path: Path, step: int, *, final_eval: bool) -> int:
+    """Rewrite `path` (metrics.jsonl) atomically without the records a resumed run logs again:
+    those of steps after `step` (the checkpoint it resumes from: a killed run logged them, and
+    its successor trains them again), and at `step` the closing evaluation ("after"), unless
+    `final_eval` (the run had finished at `step` and now goes on: that evaluation happened and
+    is not repeated). A line cut short by a kill is dropped too. Returns how many lines went."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            logged = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            dropped += bool(line.strip())
+            continue
+        if logged > step or (logged == step and record.get("phase") == "after" and not final_eval):
+            dropped += 1
+            continue
+        kept.append(line + "\n")
+    if dropped:
+        from align_anything import atomic
+
+        atomic.write_text(path, "".join(kept))
+    return dropped
+
+
 class MetricsLogger:
     """Writes one JSON object per logged step to `output_dir/metrics.jsonl` and forwards the same
-    numbers to TensorBoard / wandb when those backends are selected."""
+    numbers to TensorBoard / wandb when those backends are selected. A resumed run
+    (`resume_step`: the step of its checkpoint) first removes what it will log again
+    (`keep_records_until`), so that each step has one record however often the run was cut."""
 
     def __init__(
         self,
@@ -58,18 +87,28 @@ class MetricsLogger:
         project: str,
         run_name: str | None,
         config: dict[str, Any],
-        resume: bool,
+        resume_step: int | None,
+        finished: bool = False,
     ) -> None:
         self.path = output_dir / "metrics.jsonl"
+        self.notes: list[str] = []
+        if resume_step is not None:
+            dropped = keep_records_until(self.path, resume_step, final_eval=finished)
+            if dropped:
+                self.notes.append(
+                    f"metrics.jsonl: removed {dropped} record(s) past step {resume_step} "
+                    "(logged before the interruption; this run logs those steps again)"
+                )
         # A fresh run never truncates: its folder was checked to hold no earlier run's metrics.
-        self._file = self.path.open("a" if resume else "x", encoding="utf-8")
+        self._file = self.path.open("x" if resume_step is None else "a", encoding="utf-8")
         self._tb = None
         self._wandb = None
-        self.notes: list[str] = []
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+            # Resumed: events of the steps logged again are purged (TensorBoard's own way).
+            purge = resume_step + 1 if resume_step is not None else None
+            self._tb = SummaryWriter(log_dir=str(output_dir / "tensorboard"), purge_step=purge)
             self.notes.append(f"tensorboard: {output_dir / 'tensorboard'}")
         if "wandb" in backends:
             import wandb

@@ -86,6 +86,10 @@ class DataConfig(_Section):
         ge=8,
         description="Text-to-image tasks: images are resized (shorter side) and centre-cropped to this many pixels square before they are encoded into latents; null: the pipeline's own (its denoiser's sample size x the VAE's scale).",
     )
+    max_image_pixels: int | None = Field(
+        ge=1,
+        description="The most pixels (width x height) an image may have, checked from its header before any pixel is decoded: a guard against decompression bombs (a small file that decodes to gigabytes), Pillow's own limit by default. Raise it for large images you trust; null: no limit.",
+    )
     cache_dir: str | None = Field(
         description="Where tokenised data is cached (null: `data/` under `ALIGN_ANYTHING_CACHE`, else ~/.cache/align_anything). A start with the same data, tokenizer, chat template, max_length, truncation and task encoding reads it instead of tokenising.",
     )

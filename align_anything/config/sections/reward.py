@@ -22,7 +22,10 @@ class RemoteRewardSection(_Section):
     urls: list[str] = Field(
         description="Reward servers, each one reward (weighted in reward.weights after the functions, before the reward model), scoring every completion: a POST of JSON lists `prompts`, `completions` and one per data field (an entry per completion), answered with `{rewards: [float or null, ...]}`. []: none. Tokens belong in headers_env, not in the URL.",
     )
-    timeout_s: float = Field(gt=0, description="Seconds to wait for a server's answer.")
+    timeout_s: float = Field(
+        gt=0,
+        description="Deadline in seconds for a server's whole answer, from connecting to its last byte (a server that trickles its answer is cut off there); past it the request is retried.",
+    )
     retries: int = Field(
         ge=0,
         description="Further attempts after a connection error, a timeout or HTTP 408/429/5xx (other failures are not retried).",

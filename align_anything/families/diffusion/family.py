@@ -86,9 +86,9 @@ class Medium:
     """What a pipeline family's room says about its medium, for the shared steps here:
 
     - `name` ("image") and `unit`, the summary's word for several ("images");
-    - `read_source(path, kind, columns)`: the data source ("captioned" media, preference
-      "pairs", or "prompts" for online RL), every row checked before any compute (a
-      `latents.MediaSource`);
+    - `read_source(path, kind, columns, max_pixels)`: the data source ("captioned" media,
+      preference "pairs", or "prompts" for online RL), every row checked before any compute (a
+      `latents.MediaSource`; `max_pixels`: `data.max_image_pixels`);
     - `key_parts(source, resolution, encoder, columns)`: everything its latents depend on;
     - `refs(source)`: per row, its media (one, or chosen and rejected);
     - `prepare(resolution)`: a function that makes one medium ready for the VAE (crop, resize);
@@ -102,7 +102,7 @@ class Medium:
 
     name: str
     unit: str
-    read_source: Callable[[str, str, dict[str, str]], Any]
+    read_source: Callable[[str, str, dict[str, str], int | None], Any]
     key_parts: Callable[[Any, int, str, dict[str, str]], dict[str, Any]]
     refs: Callable[[Any], list[list[MediaRef]]]
     prepare: Callable[[int], Callable[[MediaRef], Prepared]]
@@ -213,9 +213,10 @@ class _Prepared:
     fingerprint: str
 
 
-def _read(medium: Medium, path: str, kind: str, columns: dict[str, str], what: str) -> Any:
+def _read(medium: Medium, path: str, kind: str, columns: dict[str, str], what: str,
+          max_pixels: int | None) -> Any:  # fmt: skip
     try:
-        return medium.read_source(path, kind, columns)
+        return medium.read_source(path, kind, columns, max_pixels)
     except UserError as err:
         raise type(err)(f"{what}={path!r}: {err}") from None
 
@@ -235,7 +236,7 @@ def _prepare_media(
         sources.append(("data.eval_path", data.eval_path))
     folders, notes, reports, keys = [], [], [], []
     for what, path in sources:
-        source = _read(medium, str(path), kind, columns, what)
+        source = _read(medium, str(path), kind, columns, what, data.max_image_pixels)
 
         def started(media: int, captions: int, path: str = str(path)) -> None:
             print(f"data: rank {rank} encoding {media} {medium.unit} and {captions} captions "

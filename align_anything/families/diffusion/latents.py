@@ -46,10 +46,14 @@ import xxhash
 from align_anything import atomic
 from align_anything.data import cache
 from align_anything.data.formats import DataReport
+from align_anything.data.media import MediaUnreadable
 from align_anything.errors import DataError
 
 # Raise when the same inputs would encode to other arrays (it is part of every key).
-LATENT_ENCODER_VERSION = 3  # 2: captions.json; 3: the manifest counts "media"
+# 2: captions.json; 3: the manifest counts "media"; 4: images as displayed (EXIF orientation,
+# 16-bit grayscale scaled, transparency on white: `data.media.to_rgb`).
+LATENT_ENCODER_VERSION = 4
+SHOWN = 5  # undecodable media named in one message (the rest are counted)
 ARRAYS = ("latents", "prompt_embeds", "pooled_prompt_embeds", "geometry", "rows")
 
 # pixels [B, ...] in [-1, 1] -> scaled latents (`FrozenParts.encode_images`).
@@ -150,6 +154,30 @@ def _unique_media(refs: Sequence[Sequence[MediaRef]]) -> tuple[list[MediaRef], l
     return unique, rows
 
 
+def _name_undecodable(source: MediaSource, media: list[MediaRef], media_rows: list[list[int]],
+                      start: int, prepare: Callable[[MediaRef], Prepared]) -> None:  # fmt: skip
+    """A medium of the batch from `start` could not be decoded (its header passed the data
+    check, its data are damaged): decode the rest of the source, without encoding, and raise
+    one `DataError` naming each such medium with the first row that uses it."""
+    first_row: dict[int, str] = {}
+    for item, ids in zip(source.items, media_rows, strict=True):
+        for index in ids:
+            first_row.setdefault(index, item.row)
+    problems = []
+    for index in range(start, len(media)):
+        try:
+            prepare(media[index])
+        except MediaUnreadable as err:
+            problems.append(f"{first_row[index]}: {err}")
+    shown = "\n  ".join(problems[:SHOWN])
+    more = f"\n  ... and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+    raise DataError(
+        f"{len(problems)} item(s) of {source.path} cannot be decoded although their headers "
+        f"read (damaged data; rows numbered from 1 as in the file):\n  {shown}{more}\n"
+        "Replace or remove those rows."
+    )
+
+
 def _encode(source: MediaSource, tmp: Path, *, refs: Sequence[Sequence[MediaRef]],
             prepare: Callable[[MediaRef], Prepared], encode_media: MediaEncoder,
             encode_prompts: PromptEncoder, batch_size: int,
@@ -171,7 +199,11 @@ def _encode(source: MediaSource, tmp: Path, *, refs: Sequence[Sequence[MediaRef]
     latents = _ArrayWriter(tmp / "latents.npy", len(images))
     geometry = np.zeros((len(images), 4), dtype=np.int32)
     for start in range(0, len(images), batch_size):
-        ready = [prepare(ref) for ref in images[start : start + batch_size]]
+        try:
+            ready = [prepare(ref) for ref in images[start : start + batch_size]]
+        except MediaUnreadable:
+            _name_undecodable(source, images, image_rows, start, prepare)
+            raise
         pixels = torch.from_numpy(np.stack([r.pixels for r in ready]))
         latents.write(encode_media(pixels))
         for k, r in enumerate(ready):

@@ -89,15 +89,22 @@ def refuse_remote_code(name_or_path: str, *, trust_remote_code: bool) -> None:
         )
 
 
-def refuse_pipeline(name_or_path: str, path: str) -> None:
+def refuse_pipeline(name_or_path: str, path: str, key: str = "model.name_or_path") -> None:
     """A `ModelError` for a diffusers text-to-image pipeline given to a language-model task
-    (transformers would only say it finds no config.json)."""
+    (transformers would only say it finds no config.json), naming the config `key` that gave
+    it: the policy's (`model.name_or_path`, which a diffusion task could train) or another
+    model's (`ppo.critic_model`, `reward.model`), which must be a transformers folder."""
     if (Path(path) / "model_index.json").is_file() and not (Path(path) / "config.json").is_file():
+        fix = (
+            "train it with a diffusion task (task=diffusion_sft or task=diffusion_dpo), or give "
+            "this task a transformers model folder"
+            if key == "model.name_or_path"
+            else f"{key} takes a transformers model folder (e.g. the final/ folder of a task=rm "
+            "run)"
+        )
         raise ModelError(
-            f"model.name_or_path={name_or_path!r} is a diffusers text-to-image pipeline "
-            "(model_index.json), not a language model: train it with a diffusion task "
-            "(task=diffusion_sft or task=diffusion_dpo), or give this task a transformers model "
-            "folder"
+            f"{key}={name_or_path!r} is a diffusers text-to-image pipeline (model_index.json), "
+            f"not a language model: {fix}"
         )
 
 
@@ -125,7 +132,7 @@ def load_config(
     from transformers import AutoConfig
 
     path = resolve_model_path(name_or_path, key=key)
-    refuse_pipeline(name_or_path, path)
+    refuse_pipeline(name_or_path, path, key)
     refuse_remote_code(path, trust_remote_code=trust_remote_code)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -22,6 +22,7 @@ import torch
 
 from align_anything.data.formats import DataReport, row_label
 from align_anything.data.media import (
+    MAX_IMAGE_PIXELS,
     MEDIA_KEYS,
     MediaUnreadable,
     as_list,
@@ -50,6 +51,7 @@ class MediaSupport:
 
     processor: Any
     modalities: tuple[str, ...]
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS  # data.max_image_pixels
     _token_counts: dict[tuple, int] = field(default_factory=dict)
 
     @property
@@ -105,7 +107,7 @@ class MediaSupport:
 
     def _probe(self, modality: str, ref: Any, base_dir: Path | None) -> Any:
         if modality == "image":
-            return probe_image(ref, base_dir)
+            return probe_image(ref, base_dir, max_pixels=self.max_image_pixels)
         samples, rate = probe_audio(ref, base_dir)
         return target_samples(samples, rate, self.sampling_rate)
 
@@ -205,7 +207,7 @@ class MediaSupport:
     def _decode(self, modality: str, ref: Any) -> Any:
         try:
             if modality == "image":
-                return load_image(ref, None)
+                return load_image(ref, None, max_pixels=self.max_image_pixels)
             return load_audio(ref, None, self.sampling_rate)
         except MediaUnreadable as err:  # changed since the data check, or damaged past its reach
             raise DataError(

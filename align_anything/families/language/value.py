@@ -134,7 +134,7 @@ def check_critic_folder(
     before any data or weights."""
     if init not in CRITIC_INITS:
         raise ConfigError(f"critic init must be one of {', '.join(CRITIC_INITS)}, got {init!r}")
-    config = load_config(path, trust_remote_code=trust_remote_code)
+    config = load_config(path, trust_remote_code=trust_remote_code, key=key)
     architectures = ", ".join(getattr(config, "architectures", None) or []) or "no architecture"
     if init == "reward_model" and not is_reward_config(config):
         raise ConfigError(

@@ -63,7 +63,7 @@ def cropper(resolution: int) -> Any:
     `resolution`, centre-cropped square, [-1, 1]; its geometry is SDXL's conditioning."""
 
     def prepare(ref: ImageRef) -> _Ready:
-        cropped = center_crop(ref.read(), resolution)
+        cropped = center_crop(ref.read(), resolution, name=ref.describe())
         return _Ready(cropped.pixels, (*cropped.original_size, *cropped.crop_top_left))
 
     return prepare
@@ -105,13 +105,16 @@ def colour_check(data_path: Any) -> OutputCheck | None:
     )  # fmt: skip
 
 
-def read_source(path: str, kind: str, columns: dict[str, str]) -> ImageSource:
-    """The data source of a pipeline task: captioned images, preference pairs, or prompts."""
+def read_source(
+    path: str, kind: str, columns: dict[str, str], max_pixels: int | None
+) -> ImageSource:
+    """The data source of a pipeline task: captioned images, preference pairs, or prompts (no
+    images: `max_pixels` does not apply)."""
     if kind == "prompts":
         from align_anything.families.text_to_image.prompts import read_prompts
 
         return read_prompts(path, columns=columns)
-    return read_image_source(path, kind, columns=columns)
+    return read_image_source(path, kind, columns=columns, max_pixels=max_pixels)
 
 
 def describe(resolution: int, latent_shape: tuple[int, ...]) -> str:

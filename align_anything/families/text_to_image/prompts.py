@@ -23,6 +23,7 @@ from align_anything.families.text_to_image.images import (
     _pick_column,
     _Problems,
     _table,
+    _values,
 )
 
 # The prompt column's names tried in a file, in order.
@@ -71,14 +72,13 @@ def read_prompts(path: str, *, columns: Mapping[str, str] | None = None) -> Imag
         name for name in table.column_names
         if name != prompt_column and not _is_bytes_column(table, name)
     ]  # fmt: skip
-    captions = table.column(prompt_column).to_pylist()
-    values = {name: table.column(name).to_pylist() for name in kept}
+    captions = _values(table, prompt_column)
+    values = {name: _values(table, name) for name in kept}
     problems, items = _Problems(where), []
     for index, caption in enumerate(captions):
         row = names(index)
-        text = _caption(caption)
+        text = _caption(caption, row, prompt_column, problems)
         if text is None:
-            problems.add(row, f"missing or empty prompt in column '{prompt_column}'")
             continue
         fields = {name: values[name][index] for name in kept}
         odd = [name for name, value in fields.items() if not _plain(value)]

@@ -490,10 +490,19 @@ class OnlineRL(Task):
             counts.append(float(sum(not math.isnan(v) for v in per[name])))
         _, reduced = comm.sum_metrics({}, [], *sums, *counts)
         sums, counts = reduced[: len(sums)], reduced[len(sums) :]
-        results = {"eval/reward": sums[0] / max(counts[0], 1.0),
-                   "eval/completion_length": sums[2] / count}  # fmt: skip
+        # A mean over no opinion is no figure: a reward that had none on any held-out
+        # completion is left out (not shown as 0), its share `eval/frac_reward_none` says so.
+        results = {"eval/completion_length": sums[2] / count,
+                   "eval/frac_reward_none": 1.0 - counts[0] / count}  # fmt: skip
+        if counts[0]:
+            results["eval/reward"] = sums[0] / counts[0]
+        elif self.rank == 0:
+            print(f"warning: eval ({label}): no reward had an opinion on any of the {count} "
+                  "held-out completions (every one returned None): eval/reward is left out, "
+                  "not shown as 0", flush=True)  # fmt: skip
         if check is not None:
             results["eval/generation_check"] = sums[1] / count
         for k, name in enumerate(names):
-            results[f"eval/rewards/{name}"] = sums[3 + k] / max(counts[1 + k], 1.0)
+            if counts[1 + k]:
+                results[f"eval/rewards/{name}"] = sums[3 + k] / counts[1 + k]
         return results

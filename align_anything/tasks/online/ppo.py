@@ -111,7 +111,8 @@ def check(cfg: RunConfig, model: ModelSide) -> None:
     key = "ppo.critic_model" if rl.critic_model else (
         "reward.model" if rl.critic_init == "reward_model" else "model.name_or_path"
     )  # fmt: skip
-    check_critic_folder(path, init=rl.critic_init, key=key,
+    # The name as the user gave it (a built-in name resolves again, to the same folder).
+    check_critic_folder(critic_path(cfg), init=rl.critic_init, key=key,
                         trust_remote_code=cfg.model.trust_remote_code)  # fmt: skip
     if path != model.path:
         vocab = loading.load_tokenizer(path).get_vocab()
