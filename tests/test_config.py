@@ -50,7 +50,8 @@ def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
 
 def test_task_files_found() -> None:
     assert {path.stem for path in TASK_FILES} == {
-        "sft", "dpo", "rm", "kto", "grpo", "rloo", "ppo", "diffusion_sft", "diffusion_dpo"
+        "sft", "dpo", "rm", "kto", "grpo", "rloo", "ppo", "diffusion_sft", "diffusion_dpo",
+        "flow_grpo", "dance_grpo", "diffusion_nft",
     }  # fmt: skip
 
 
@@ -112,7 +113,10 @@ def test_several_mistakes_in_one_error() -> None:
 def test_unknown_task_reported_with_other_mistakes() -> None:
     message = config_error(["task=spf", "train.learnig_rate=1e-4", "data.max_length=abc"])
     assert "task='spf': unknown task (did you mean 'sft'?)" in message
-    assert "diffusion_dpo, diffusion_sft, dpo, grpo, kto, ppo, rloo, rm, sft" in message
+    assert (
+        "dance_grpo, diffusion_dpo, diffusion_nft, diffusion_sft, dpo, flow_grpo, grpo, kto, ppo, "
+        "rloo, rm, sft" in message
+    )
     assert "train.learnig_rate: unknown key (did you mean 'train.learning_rate'?)" in message
     assert "data.max_length:" in message
 
@@ -121,8 +125,8 @@ def test_unknown_task_lists_valid_ones() -> None:
     message = config_error(["task=dpq"])  # (dpp is as close to ppo as to dpo)
     assert "task='dpq': unknown task (did you mean 'dpo'?)" in message
     assert (
-        "Available tasks: diffusion_dpo, diffusion_sft, dpo, grpo, kto, ppo, rloo, rm, sft."
-        in message
+        "Available tasks: dance_grpo, diffusion_dpo, diffusion_nft, diffusion_sft, dpo, "
+        "flow_grpo, grpo, kto, ppo, rloo, rm, sft." in message
     )
 
 

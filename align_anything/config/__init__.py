@@ -25,7 +25,9 @@ from align_anything.config.loading import (
 from align_anything.config.run import (
     CONFIG_DIR,
     DIFFUSION_TASKS,
+    IMAGE_RL_TASKS,
     ONLINE_TASKS,
+    REWARD_TASKS,
     TASK_DIR,
     TASK_SECTIONS,
     RunConfig,
@@ -58,7 +60,8 @@ from align_anything.config.sections import (
 )
 
 __all__ = [
-    "AUTO_PRESET", "CONFIG_DIR", "DIFFUSION_TASKS", "ONLINE_TASKS", "PRESET_DIR", "TASK_DIR",
+    "AUTO_PRESET", "CONFIG_DIR", "DIFFUSION_TASKS", "IMAGE_RL_TASKS", "ONLINE_TASKS",
+    "PRESET_DIR", "REWARD_TASKS", "TASK_DIR",
     "TASK_SECTIONS", "CheckpointConfig", "DPOSection", "DataConfig", "DataSource",
     "DiffusionDPOSection", "DiffusionSFTSection", "EMASection", "GRPOSection", "KTOSection",
     "LoggingConfig", "LoraSection", "ModelConfig", "PPOSection", "RLOOSection", "RMSection",

@@ -21,6 +21,7 @@ from align_anything.config.problems import format_validation_error
 from align_anything.config.run import (
     CONFIG_DIR,
     ONLINE_TASKS,
+    REWARD_TASKS,
     TASK_SECTIONS,
     RunConfig,
     available_tasks,
@@ -236,10 +237,10 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
                     f"{name}.* keys or choose task={name}"
                 )
             raw.pop(name)
-    if task not in ONLINE_TASKS and raw.get("reward") is not None:
+    if task not in REWARD_TASKS and raw.get("reward") is not None:
         if task_known:
             problems.append(
-                f"reward.*: the reward section is for online RL (task={' or task='.join(ONLINE_TASKS)}); "
+                f"reward.*: the reward section is for online RL (task={' or task='.join(REWARD_TASKS)}); "
                 f"task is '{task}': remove the reward.* keys"
             )
         raw.pop("reward")

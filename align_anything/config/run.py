@@ -12,10 +12,13 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from align_anything.config.sections import (
     CheckpointConfig,
+    DanceGRPOSection,
     DataConfig,
     DiffusionDPOSection,
+    DiffusionNFTSection,
     DiffusionSFTSection,
     DPOSection,
+    FlowGRPOSection,
     GRPOSection,
     KTOSection,
     LoggingConfig,
@@ -40,7 +43,7 @@ class RunConfig(_Section):
     """The validated configuration of one run. Built only by `load_config`."""
 
     task: str = Field(
-        description="The task: sft, dpo, rm, kto, grpo, rloo, ppo, or for text-to-image pipelines diffusion_sft, diffusion_dpo (a file in configs/task/)."
+        description="The task: sft, dpo, rm, kto, grpo, rloo, ppo, or for text-to-image pipelines diffusion_sft, diffusion_dpo, flow_grpo, dance_grpo, diffusion_nft (a file in configs/task/)."
     )
     deepspeed: dict[str, Any] = Field(
         description="A shipped preset name (`python -m align_anything presets list`) or a path to a DeepSpeed JSON file; dotted overrides reach inside (`deepspeed.zero_optimization.overlap_comm=false`)."
@@ -75,7 +78,10 @@ class RunConfig(_Section):
     ppo: PPOSection | None = None
     diffusion_sft: DiffusionSFTSection | None = None
     diffusion_dpo: DiffusionDPOSection | None = None
-    # Online RL only (set in task/grpo.yaml, task/rloo.yaml and task/ppo.yaml).
+    flow_grpo: FlowGRPOSection | None = None
+    dance_grpo: DanceGRPOSection | None = None
+    diffusion_nft: DiffusionNFTSection | None = None
+    # Online RL only (set in task/grpo.yaml, rloo.yaml, ppo.yaml and the image RL tasks').
     reward: RewardSection | None = None
     rollout: RolloutSection | None = None
 
@@ -128,7 +134,8 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _image_data(self) -> RunConfig:
         # The text-to-image readers take one source each (no mixtures) and find its shape
-        # themselves: captioned images for diffusion_sft, Pick-a-Pic pairs for the others.
+        # themselves: captioned images for diffusion_sft, Pick-a-Pic pairs for diffusion_dpo,
+        # prompts (with any other columns, for the rewards) for online RL.
         if self.task not in DIFFUSION_TASKS:
             return self
         data = self.data
@@ -139,9 +146,10 @@ class RunConfig(_Section):
             if isinstance(getattr(data, key), list)
         ]
         if data.format != "auto":
+            reads = {"diffusion_sft": "captioned images", "diffusion_dpo": "Pick-a-Pic pairs"}
             problems.append(
                 f"data.format={data.format!r} names a text format; {self.task} reads "
-                + ("captioned images" if self.task == "diffusion_sft" else "Pick-a-Pic pairs")
+                + reads.get(self.task, "prompts (a caption column and any others)")
                 + " (data.columns maps their names): leave data.format=auto"
             )
         if problems:
@@ -163,11 +171,18 @@ TASK_SECTIONS: dict[str, type[BaseModel]] = {
     "sft": SFTSection, "dpo": DPOSection, "rm": RMSection, "kto": KTOSection,
     "grpo": GRPOSection, "rloo": RLOOSection, "ppo": PPOSection,
     "diffusion_sft": DiffusionSFTSection, "diffusion_dpo": DiffusionDPOSection,
+    "flow_grpo": FlowGRPOSection, "dance_grpo": DanceGRPOSection,
+    "diffusion_nft": DiffusionNFTSection,
 }  # fmt: skip
-# Tasks that generate online and so take the `reward` section.
+# Language-model tasks that generate online (the `rollout` section: their generation backend).
 ONLINE_TASKS = ("grpo", "rloo", "ppo")
-# Tasks that train a text-to-image pipeline's denoiser (their data are images and captions).
-DIFFUSION_TASKS = ("diffusion_sft", "diffusion_dpo")
+# Online RL of text-to-image pipelines (they sample with the run's own denoiser).
+IMAGE_RL_TASKS = ("flow_grpo", "dance_grpo", "diffusion_nft")
+# Tasks that score what the model makes and so take the `reward` section.
+REWARD_TASKS = ONLINE_TASKS + IMAGE_RL_TASKS
+# Tasks that train a text-to-image pipeline's denoiser (their data are images and captions, or
+# prompts).
+DIFFUSION_TASKS = ("diffusion_sft", "diffusion_dpo", *IMAGE_RL_TASKS)
 
 
 def available_tasks() -> list[str]:

@@ -14,6 +14,9 @@ tasks turn config values into the keyword arguments. (Log-probs come from
   explained variance, entropy.
 - `diffusion`: text-to-image — per-sample denoising MSE, min-SNR-γ weights, Diffusion-DPO
   (sigmoid, hinge, IPO) and Diffusion-KTO on those MSEs.
+- `diffusion_rl`: online RL of text-to-image — a denoising step's Gaussian log-density and KL,
+  the clipped ratio per step (Flow-GRPO, DanceGRPO), capped group advantages, DiffusionNFT's
+  optimality and loss.
 
 Every public name is re-exported here, so `from align_anything import losses; losses.X` works.
 The re-exports load their module on first use (PEP 562), so that importing `losses.rules`
@@ -34,6 +37,13 @@ _EXPORTS: dict[str, str] = {
     "diffusion_kto_loss": "diffusion",
     "min_snr_weights": "diffusion",
     "per_sample_mse": "diffusion",
+    "StepLossOutput": "diffusion_rl",
+    "capped_group_advantages": "diffusion_rl",
+    "gaussian_kl": "diffusion_rl",
+    "gaussian_log_prob": "diffusion_rl",
+    "nft_loss": "diffusion_rl",
+    "nft_optimality": "diffusion_rl",
+    "step_policy_loss": "diffusion_rl",
     "KTOLossOutput": "kto",
     "kto_kl_reference": "kto",
     "kto_loss": "kto",

@@ -1,6 +1,7 @@
 """The built-in reward functions, named `align_anything.rewards:<name>` in `reward.functions`
 (this package's `__init__` exports them): for the built-in arithmetic prompts
-(`arith-prompts`), and a shaping example."""
+(`arith-prompts`), a shaping example, and for images of the built-in shapes world
+(`shape_colour`)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,18 @@ def length_penalty(prompts: list, completions: list[str], **kwargs: Any) -> list
     """An example of a shaping term: −0.001 per character of the completion (−0.1 for 100
     characters). Combine it with a task reward and a small weight."""
     return [-0.001 * len(completion) for completion in completions]
+
+
+def shape_colour(prompts: list, images: list, **kwargs: Any) -> list[float | None]:
+    """For text-to-image runs on the built-in shapes world: 1.0 when an image's dominant colour
+    is the colour its prompt names, else 0.0 (the pixel rule of the held-out colour check of
+    the text-to-image main jobs, `families.text_to_image.shapes.colour_matches`: bright,
+    saturated pixels vote for the nearest palette hue); None for a prompt that names none of
+    the palette's colours (no opinion)."""
+    from align_anything.families.text_to_image import shapes
+
+    matches = shapes.colour_matches(images, [str(prompt) for prompt in prompts])
+    return [
+        None if shapes.caption_colour(str(prompt)) is None else float(match)
+        for prompt, match in zip(prompts, matches, strict=True)
+    ]

@@ -1,5 +1,6 @@
-"""Reward functions for online RL (`task=grpo`, `task=rloo`): the built-in ones, loading a
-user's by name, and scoring a batch of completions with clear errors.
+"""Reward functions for online RL (`task=grpo`, `task=rloo`, `task=ppo`, and for images
+`task=flow_grpo`, `dance_grpo`, `diffusion_nft`): the built-in ones, loading a user's by name,
+and scoring a batch of completions or images with clear errors.
 
 A reward function is named `module:function` in the config
 (`reward.functions=[align_anything.rewards:arith_exact, my_pkg.rewards:length_penalty]`) and is
@@ -16,6 +17,18 @@ called with keyword arguments, as TRL 1.16's `GRPOTrainer` calls its reward func
 - `fields`: every other column of the prompt data (e.g. `answer=[...]`), one list each,
   aligned with `completions`;
 - the return: one number per completion, or None for "no opinion" on that one.
+
+The text-to-image tasks call the same functions the same way with `images` in place of
+`completions`:
+
+    fn(prompts=[...], images=[...], **fields) -> list[float | None]
+
+- `prompts`: each image's prompt (the caption string), repeated for the G images of one prompt;
+- `images`: the generated images, `PIL.Image.Image` in mode "RGB" at the run's resolution
+  (`numpy.asarray(image)` is [H, W, 3] uint8), one per prompt entry;
+- `fields` and the return as above. Weights, None, timeouts and invalid values are handled by
+  the same code as for text (`score_completions(..., images=...)`); a message names the image
+  by its size instead of quoting a completion.
 
 `score_completions` turns the returns into tensors: the total is Σ wᵢ·rᵢ over the functions
 that gave a number (TRL's `nansum`); a completion for which every function returned None has
@@ -135,7 +148,19 @@ def load_reward_functions(names: Sequence[str]) -> list[tuple[str, RewardFunctio
 # --------------------------------------------------------------------------------------------
 
 
-def _shown(completion: str) -> str:
+class ImageOutputs(list):
+    """The images of a batch (PIL, RGB): what the reward functions are given as `images=`,
+    and what a message names ("image 32x32") instead of quoting a completion."""
+
+
+def _noun(outputs: Sequence[Any]) -> str:
+    return "image" if isinstance(outputs, ImageOutputs) else "completion"
+
+
+def _shown(completion: Any) -> str:
+    if not isinstance(completion, str):
+        size = getattr(completion, "size", None)
+        return f"{size[0]}x{size[1]}" if size else type(completion).__name__
     if len(completion) > _SHOWN_CHARS:
         completion = completion[:_SHOWN_CHARS] + f"… ({len(completion)} characters)"
     return repr(completion)
@@ -147,7 +172,8 @@ def _label(row: int | str) -> str:
 
 def _where(name: str, row_ids: Sequence[int | str], completions: Sequence[str], index: int) -> str:
     where = _label(row_ids[index])
-    return f"reward function {name!r} on {where} (completion {_shown(completions[index])})"
+    noun = _noun(completions)
+    return f"reward function {name!r} on {where} ({noun} {_shown(completions[index])})"
 
 
 # ---- calling a user's function with a deadline
@@ -294,10 +320,11 @@ def _call(
 ) -> Any:
     if indices is not None:
         prompts = [prompts[i] for i in indices]
-        completions = [completions[i] for i in indices]
+        completions = type(completions)(completions[i] for i in indices)
         fields = {key: [values[i] for i in indices] for key, values in fields.items()}
         row_ids = [row_ids[i] for i in indices]
-    kwargs = dict(prompts=list(prompts), completions=list(completions), **fields)
+    key = "images" if isinstance(completions, ImageOutputs) else "completions"
+    kwargs = {"prompts": list(prompts), key: list(completions), **fields}
     return _call_with_deadline(name, function, kwargs, _rows_text(row_ids), timeout_s)
 
 
@@ -371,8 +398,8 @@ def _rewards_of(
         )
         raise RewardError(
             f"{_where(name, row_ids, completions, 0)} and the {len(completions) - 1} others of "
-            f"the batch: returned {got} for {len(completions)} completions; return one float "
-            "(or None) per completion"
+            f"the batch: returned {got} for {len(completions)} {_noun(completions)}s; return "
+            f"one float (or None) per {_noun(completions)}"
         )
     rewards = []
     for index, value in enumerate(values):
@@ -407,17 +434,20 @@ def score_completions(
     weights: Sequence[float],
     *,
     prompts: Sequence,
-    completions: Sequence[str],
+    completions: Sequence[str] | None = None,
     fields: dict[str, Sequence],
     row_ids: Sequence[int | str],
     timeout_s: float | None = None,
+    images: Sequence[Any] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Score N completions with every reward function.
+    """Score N completions (or N images: `images` in place of `completions`) with every reward
+    function.
 
     Args:
         functions: (name, function) pairs, from `load_reward_functions`.
         weights: one per function (the config's `reward.weights`; all 1.0 when not given).
         prompts, completions: N each, aligned (a prompt repeated for its G completions).
+        images: N images (PIL, RGB) instead of completions: the functions get `images=`.
         fields: the prompt data's other columns, each a list of N values.
         row_ids: N data rows for messages: the prompt's row label in the user's file
             (`"line 12"`, the encoded row's `source_row`) or a row number (`data row 12`).
@@ -433,6 +463,11 @@ def score_completions(
         Preempted: a stop signal (SIGTERM/SIGINT) cut a hung call short (`active_call`).
         ValueError: arguments that do not line up (a bug of the caller, not the user's).
     """
+    if (completions is None) == (images is None):
+        raise ValueError("give exactly one of completions= and images=")
+    if images is not None:
+        completions = ImageOutputs(images)
+    assert completions is not None
     count = len(completions)
     if len(weights) != len(functions) or not functions:
         raise ValueError(f"{len(weights)} weights for {len(functions)} reward functions")
@@ -458,7 +493,8 @@ def score_completions(
             for k, (name, w) in enumerate(zip(per_function, weights, strict=True))
         )
         raise RewardError(
-            f"the weighted reward of {_label(row_ids[index])} (completion {_shown(completions[index])}) is inf in "
+            f"the weighted reward of {_label(row_ids[index])} ({_noun(completions)} "
+            f"{_shown(completions[index])}) is inf in "
             f"float32: {terms}. Lower reward.weights or the rewards' magnitude"
         )
     return total, per_function

@@ -13,6 +13,15 @@ a finite number or null ("no opinion", as a function's None): NaN, Infinity, a s
 boolean (`true` is an answer to another question, not a reward of 1) fail the request, naming
 the URL and the row. Rows go in requests of at most `max_rows` each, one after the other.
 
+The text-to-image tasks send images in place of completions, each as the base64 text of its PNG
+file (RGB, the run's resolution; lossless, so the server sees exactly the generated pixels):
+
+    POST <url>   Content-Type: application/json
+    {"prompts": ["a red circle", ...], "images": ["iVBORw0KGgo...", ...], "<field>": [...], ...}
+    → 200 {"rewards": [float or null, ...]}
+
+(in Python: `PIL.Image.open(io.BytesIO(base64.b64decode(entry)))`).
+
 Several URLs: each URL is one reward of its own, with its own weight in `reward.weights` (after
 the functions and the reward model), scored on every completion and added up with the others:
 what OpenRLHF does with several `remote_rm_url`s (each one a reward model, every sample sent to
@@ -226,15 +235,19 @@ class RemoteReward:
         return f"RemoteReward({shown_url(self.url)!r})"
 
     def __call__(
-        self, prompts: Sequence[Any], completions: Sequence[str], **fields: Sequence[Any]
-    ) -> list[float | None]:
+        self, prompts: Sequence[Any], completions: Sequence[str] | None = None,
+        images: Sequence[Any] | None = None, **fields: Sequence[Any],
+    ) -> list[float | None]:  # fmt: skip
+        key, outputs = ("images", images) if images is not None else ("completions", completions)
+        assert outputs is not None, "a reward gets completions= or images="
         rewards: list[float | None] = []
-        for start in range(0, len(completions), self.max_rows):
-            rows = range(start, min(start + self.max_rows, len(completions)))
+        for start in range(0, len(outputs), self.max_rows):
+            rows = range(start, min(start + self.max_rows, len(outputs)))
+            sent = [outputs[i] for i in rows]
             body = {
                 "prompts": [prompts[i] for i in rows],
-                "completions": [completions[i] for i in rows],
-                **{key: [values[i] for i in rows] for key, values in fields.items()},
+                key: [png_base64(image) for image in sent] if key == "images" else sent,
+                **{name: [values[i] for i in rows] for name, values in fields.items()},
             }
             rewards += self._request(body, rows)
         return rewards
@@ -333,6 +346,16 @@ class RemoteReward:
                     retry=False, row=index,
                 )  # fmt: skip
         return [None if v is None else float(v) for v in rewards]
+
+
+def png_base64(image: Any) -> str:
+    """An image (PIL) as the base64 text of its PNG file, as the protocol sends images."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _server_says(err: urllib.error.HTTPError) -> str:

@@ -8,6 +8,7 @@ and its YAML in `configs/task/`; a line below. The loop (`training/loop.py`) doe
 from __future__ import annotations
 
 from align_anything.tasks import dpo, kto, rm, sft
+from align_anything.tasks.diffusion import dance_grpo, flow_grpo, nft
 from align_anything.tasks.diffusion import dpo as diffusion_dpo
 from align_anything.tasks.diffusion import sft as diffusion_sft
 from align_anything.tasks.online import grpo, ppo, rloo
@@ -23,4 +24,7 @@ TASKS: dict[str, TaskSpec] = {
     "ppo": ppo.SPEC,
     "diffusion_sft": diffusion_sft.SPEC,
     "diffusion_dpo": diffusion_dpo.SPEC,
+    "flow_grpo": flow_grpo.SPEC,
+    "dance_grpo": dance_grpo.SPEC,
+    "diffusion_nft": nft.SPEC,
 }

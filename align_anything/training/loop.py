@@ -115,9 +115,9 @@ def train_step(run: Run, task: Task, source: StepSource) -> StepResult:
         # Figures of the step's production (an online-RL round: rewards, lengths, generation
         # speed), and the training throughput without the time it took.
         seconds = time.perf_counter() - start - produced.seconds
-        result.figures.update(
-            {**produced.metrics, "train/tokens_per_second": tokens / max(seconds, 1e-9)}
-        )
+        result.figures.update(produced.metrics)
+        if tokens:  # (the text-to-image tasks count images: samples_per_second)
+            result.figures["train/tokens_per_second"] = tokens / max(seconds, 1e-9)
     if produced.table and run.dist.is_main:
         completions_table(
             produced.table, step=run.state.step, logger=run.logger,

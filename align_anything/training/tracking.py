@@ -301,10 +301,15 @@ def quiet_library_progress_bars() -> None:
 def completions_table(
     rows: list[dict[str, Any]], *, step: int, logger: MetricsLogger | None, console: bool
 ) -> None:
-    """Online RL's sample of a step's prompts, completions, rewards and advantages: a rich
-    table on the console, a wandb Table when wandb is on (rank 0)."""
+    """Online RL's sample of a step's prompts, completions (or images: PIL images, shown by
+    their size on the console, as images in wandb), rewards and advantages: a rich table on the
+    console, a wandb Table when wandb is on (rank 0)."""
     if not rows:
         return
+
+    def is_image(value: Any) -> bool:
+        return hasattr(value, "mode") and hasattr(value, "size")
+
     columns = list(rows[0])
     if console:
         from rich.console import Console
@@ -314,11 +319,16 @@ def completions_table(
         for name in columns:
             table.add_column(name, overflow="fold")
         for row in rows:
-            table.add_row(*(f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()))
+            table.add_row(*(
+                f"{v:.4g}" if isinstance(v, float)
+                else f"image {v.size[0]}x{v.size[1]}" if is_image(v) else str(v)
+                for v in row.values()
+            ))  # fmt: skip
         Console(soft_wrap=False).print(table)
     run = getattr(logger, "_wandb", None)
     if run is not None:
         import wandb
 
-        data = [[row[c] for c in columns] for row in rows]
+        data = [[wandb.Image(row[c]) if is_image(row[c]) else row[c] for c in columns]
+                for row in rows]  # fmt: skip
         run.log({"completions": wandb.Table(columns=columns, data=data)}, step=step)

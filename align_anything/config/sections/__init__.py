@@ -10,7 +10,8 @@ description: the README's configuration reference is generated from them
 - `preference`: the offline text tasks, `sft`, `dpo`, `rm`, `kto`;
 - `reward`: what scores a completion in online RL;
 - `online`: the rollout backend (vLLM) and the online RL tasks, `grpo`, `rloo`, `ppo`;
-- `diffusion`: the text-to-image tasks, `diffusion_sft`, `diffusion_dpo`.
+- `diffusion`: the text-to-image tasks, `diffusion_sft`, `diffusion_dpo`;
+- `image_rl`: online RL of text-to-image pipelines, `flow_grpo`, `dance_grpo`, `diffusion_nft`.
 """
 
 from align_anything.config.sections.base import names_a_missing_folder
@@ -20,6 +21,11 @@ from align_anything.config.sections.diffusion import (
     TIMESTEP_SAMPLING,
     DiffusionDPOSection,
     DiffusionSFTSection,
+)
+from align_anything.config.sections.image_rl import (
+    DanceGRPOSection,
+    DiffusionNFTSection,
+    FlowGRPOSection,
 )
 from align_anything.config.sections.model import LoraSection, ModelConfig
 from align_anything.config.sections.online import (
@@ -48,8 +54,9 @@ from align_anything.config.sections.train import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS", "CRITIC_INITS", "DIFFUSION_DPO_LOSS_TYPES", "SOURCE_OPTIONAL",
-    "TIMESTEP_SAMPLING", "CheckpointConfig", "DPOSection", "DataConfig", "DataSource",
-    "DiffusionDPOSection", "DiffusionSFTSection", "EMASection", "GRPOSection", "KTOSection",
+    "TIMESTEP_SAMPLING", "CheckpointConfig", "DPOSection", "DanceGRPOSection", "DataConfig",
+    "DataSource", "DiffusionDPOSection", "DiffusionNFTSection", "DiffusionSFTSection",
+    "EMASection", "FlowGRPOSection", "GRPOSection", "KTOSection",
     "LoggingConfig", "LoraSection", "ModelConfig", "PPOSection", "RLOOSection", "RMSection",
     "RemoteRewardSection", "RewardSection", "RolloutSection", "SFTSection", "SpeedSection",
     "TrainSection", "VLLMSection", "names_a_missing_folder",

@@ -86,9 +86,9 @@ class Medium:
     """What a pipeline family's room says about its medium, for the shared steps here:
 
     - `name` ("image") and `unit`, the summary's word for several ("images");
-    - `read_source(path, kind, columns, max_pixels)`: the data source ("captioned" media or
-      preference "pairs"), every row checked before any compute (a `latents.MediaSource`;
-      `max_pixels`: `data.max_image_pixels`);
+    - `read_source(path, kind, columns, max_pixels)`: the data source ("captioned" media,
+      preference "pairs", or "prompts" for online RL), every row checked before any compute (a
+      `latents.MediaSource`; `max_pixels`: `data.max_image_pixels`);
     - `key_parts(source, resolution, encoder, columns)`: everything its latents depend on;
     - `refs(source)`: per row, its media (one, or chosen and rejected);
     - `prepare(resolution)`: a function that makes one medium ready for the VAE (crop, resize);
@@ -302,14 +302,19 @@ def build_data(
         ), data=prepared.fingerprint,
     )  # fmt: skip
     captions = held_out_captions(eval_entry, eval_ids[:KEPT_CAPTIONS])
-    unit = "pairs" if spec.record_kind == "pairs" else model.medium.unit
+    unit = spec.record_kind if spec.record_kind in ("pairs", "prompts") else model.medium.unit
     result = Data(
         train=train, eval=held_out, eval_records=captions, reports=prepared.reports,
         fingerprints=fingerprints, lengths=[1] * len(train), train_unit=unit,
     )  # fmt: skip
+    info, side = model.info, model.resolution // model.info.vae_scale_factor
+    latent_shape = (
+        tuple(train_entry.latents.shape[1:]) if train_entry.latents is not None
+        else (info.latent_channels, side, side)  # prompts: the latents the sampler makes
+    )  # fmt: skip
     lines = [
         f"  pipeline        {model.info.describe()}",
-        f"  resolution      {model.medium.describe(model.resolution, tuple(train_entry.latents.shape[1:]))}",
+        f"  resolution      {model.medium.describe(model.resolution, latent_shape)}",
         *(f"  data cache      {note}" for note in prepared.notes),
     ]
     if prepared.eval_folder is None:

@@ -22,7 +22,9 @@ batches, and read back as numpy memory maps.
   `pooled_prompt_embeds.npy` [captions, P] (kinds with pooled embeddings),
   `geometry.npy` [media, 4] (original height, width, crop top, left: SDXL's conditioning),
   `rows.npy`: per training row (caption, image) or (caption, chosen, rejected) indices, and
-  `captions.json`: the caption texts (sample prompts are drawn from the held-out ones).
+  `captions.json`: the caption texts (sample prompts are drawn from the held-out ones). A
+  source of prompts (online RL: kind "prompts", no media) has rows of a caption index alone and
+  `fields.json`, each row's other columns (what its reward functions are given).
   Arrays keep the encoders' dtype (bfloat16 stored as its 16-bit pattern: numpy has no bf16).
 """
 
@@ -76,8 +78,9 @@ class Prepared(Protocol):
 
 
 class MediaSource(Protocol):
-    """A checked data source: its `kind` ("captioned" or "pairs"), `path`, `items` (each with
-    a `caption` and the `row` it came from) and `report` (kept and dropped rows)."""
+    """A checked data source: its `kind` ("captioned", "pairs" or "prompts"), `path`, `items`
+    (each with a `caption` and the `row` it came from; prompts also their `fields`) and
+    `report` (kept and dropped rows)."""
 
     kind: str
     path: str
@@ -210,6 +213,8 @@ def _encode(source: MediaSource, tmp: Path, *, refs: Sequence[Sequence[MediaRef]
     writers: dict[str, _ArrayWriter] = {}
     texts = list(captions)
     (tmp / "captions.json").write_text(json.dumps(texts))
+    if source.kind == "prompts":
+        (tmp / "fields.json").write_text(json.dumps([item.fields for item in source.items]))
     for start in range(0, len(texts), batch_size):
         for name, tensor in encode_prompts(texts[start : start + batch_size]).items():
             if name not in writers:
@@ -301,6 +306,12 @@ class EncodedMedia:
         """The caption texts, by caption index (`rows[:, 0]`)."""
         return json.loads((self.folder / "captions.json").read_text())
 
+    @functools.cached_property
+    def row_fields(self) -> list[dict[str, Any]]:
+        """A source of prompts: each row's other columns (empty dicts for other kinds)."""
+        path = self.folder / "fields.json"
+        return json.loads(path.read_text()) if path.is_file() else [{}] * len(self.rows)
+
     def _media(self, ids: np.ndarray) -> dict[str, torch.Tensor]:
         order = np.argsort(ids, kind="stable")  # memory maps read fastest in file order
         back = np.empty_like(order)
@@ -322,9 +333,14 @@ class EncodedMedia:
         """The tensors of rows `indices` (CPU): for captioned images one batch dict
         (`latents`, `prompt_embeds`, `pooled_prompt_embeds` where the kind has them,
         `add_time_ids`: original height and width, crop top and left, target height and
-        width), for pairs a (chosen, rejected) pair of such dicts with the same captions."""
+        width), for pairs a (chosen, rejected) pair of such dicts with the same captions, for
+        prompts the text tensors and `add_time_ids` of an image generated at the resolution."""
         picked = self.rows[np.asarray(indices, dtype=np.int64)]
         text = self._captions(picked[:, 0])
+        if self.kind == "prompts":  # generated images: SDXL's size and crop of a fresh image
+            size = float(self.resolution)
+            ids = torch.tensor([[size, size, 0.0, 0.0, size, size]]).repeat(len(picked), 1)
+            return {**text, "add_time_ids": ids}
         if self.kind == "captioned":
             return {**self._media(picked[:, 1]), **text}
         return {**self._media(picked[:, 1]), **text}, {**self._media(picked[:, 2]), **text}

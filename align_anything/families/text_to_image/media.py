@@ -43,7 +43,10 @@ def latent_key_parts(
 
 
 def image_refs(source: ImageSource) -> list[list[ImageRef]]:
-    """Per row, its images: the captioned image, or the chosen and the rejected one."""
+    """Per row, its images: the captioned image, the chosen and the rejected one, or none (a
+    prompt for online RL)."""
+    if source.kind == "prompts":
+        return [[] for _ in source.items]
     if source.kind == "captioned":
         return [[item.image] for item in source.items]
     return [[item.chosen, item.rejected] for item in source.items]
@@ -102,6 +105,18 @@ def colour_check(data_path: Any) -> OutputCheck | None:
     )  # fmt: skip
 
 
+def read_source(
+    path: str, kind: str, columns: dict[str, str], max_pixels: int | None
+) -> ImageSource:
+    """The data source of a pipeline task: captioned images, preference pairs, or prompts (no
+    images: `max_pixels` does not apply)."""
+    if kind == "prompts":
+        from align_anything.families.text_to_image.prompts import read_prompts
+
+        return read_prompts(path, columns=columns)
+    return read_image_source(path, kind, columns=columns, max_pixels=max_pixels)
+
+
 def describe(resolution: int, latent_shape: tuple[int, ...]) -> str:
     return (
         f"{resolution} px, centre-cropped; latents {'x'.join(str(d) for d in latent_shape)} "
@@ -111,9 +126,7 @@ def describe(resolution: int, latent_shape: tuple[int, ...]) -> str:
 
 IMAGES = Medium(
     name="image", unit="images",
-    read_source=lambda path, kind, columns, max_pixels: read_image_source(
-        path, kind, columns=columns, max_pixels=max_pixels
-    ),
+    read_source=read_source,
     key_parts=lambda source, resolution, encoder, columns: latent_key_parts(
         source, resolution=resolution, encoder=encoder, columns=columns
     ),

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from align_anything.backend.engine import InferenceEngine
+from align_anything.families import diffusion
 from align_anything.families.diffusion import PipelineInfo, adapters_disabled
 from align_anything.families.diffusion import family as pipelines
 from align_anything.families.diffusion.family import PipelineSide
@@ -199,6 +201,24 @@ class Pictures:
 
     def after_step(self, step: int) -> None:
         self.samples.after_step(step)
+
+
+def build_reference(run: Run) -> tuple[Any, str]:
+    """The frozen base denoiser (Diffusion-DPO's reference, the KL reference of the GRPO
+    tasks) and its summary line: the policy with adapters disabled in a LoRA run, else the
+    denoiser loaded again from the folder (never a resumed checkpoint) in a frozen inference
+    engine (under ZeRO-3 partitioned like the policy)."""
+    if run.cfg.model.lora.enabled:
+        line = "the base denoiser: the policy with its adapters disabled (no copy)"
+        return BaseDenoiser(run.policy), line
+    model: PipelineSide = run.model
+    ds_plan = run.ds_plan
+    base = diffusion.load_denoiser(
+        model.info, dtype=next(run.policy.module.parameters()).dtype, ds_config=ds_plan.config
+    )
+    engine = InferenceEngine(base, ds_plan.reference_config(offload=False))
+    where = "partitioned ZeRO-3 inference engine" if engine.stage == 3 else "frozen copy"
+    return engine, f"the base denoiser: {where}, no gradients or optimizer state"
 
 
 def pictures(run: Run, section: Any) -> Pictures:

@@ -24,16 +24,13 @@ from typing import Any
 
 import torch
 
-from align_anything.backend.engine import InferenceEngine
-from align_anything.families import diffusion
-from align_anything.families.diffusion.family import PipelineSide
 from align_anything.families.pipelines import PIPELINES
 from align_anything.losses.diffusion import diffusion_dpo_loss
 from align_anything.tasks.diffusion.common import (
-    BaseDenoiser,
     Denoising,
     ImagePairBatch,
     Pictures,
+    build_reference,
     denoising,
     image_rows,
     pictures,
@@ -87,23 +84,6 @@ class DiffusionDPO(Task):
 
     def evaluate_extra(self, label: str) -> dict[str, float]:
         return self.pictures.evaluate(label)
-
-
-def build_reference(run: Run) -> tuple[Any, str]:
-    """The frozen base denoiser and its summary line: the policy with adapters disabled in a
-    LoRA run, else the denoiser loaded again from the folder (never a resumed checkpoint) in a
-    frozen inference engine (under ZeRO-3 partitioned like the policy)."""
-    if run.cfg.model.lora.enabled:
-        line = "the base denoiser: the policy with its adapters disabled (no copy)"
-        return BaseDenoiser(run.policy), line
-    model: PipelineSide = run.model
-    ds_plan = run.ds_plan
-    base = diffusion.load_denoiser(
-        model.info, dtype=next(run.policy.module.parameters()).dtype, ds_config=ds_plan.config
-    )
-    engine = InferenceEngine(base, ds_plan.reference_config(offload=False))
-    where = "partitioned ZeRO-3 inference engine" if engine.stage == 3 else "frozen copy"
-    return engine, f"the base denoiser: {where}, no gradients or optimizer state"
 
 
 def build(run: Run) -> tuple[DiffusionDPO, RowBatches]:

@@ -98,8 +98,11 @@ class RoundSizes:
         return self.epochs * self.mini_batches
 
 
-def round_sizes(cfg: RunConfig, prompts: int, batch: Any) -> RoundSizes:
-    """The round sizes; a rank's completions of a round must be whole groups."""
+def round_sizes(
+    cfg: RunConfig, prompts: int, batch: Any, *, unit: str = "completions"
+) -> RoundSizes:
+    """The round sizes; a rank's completions (`unit`: the text-to-image tasks' images) of a
+    round must be whole groups."""
     rl = cfg.section()
     group = rl.num_generations
     epochs, mini_batches = rl.round_steps()
@@ -107,11 +110,11 @@ def round_sizes(cfg: RunConfig, prompts: int, batch: Any) -> RoundSizes:
     if per_rank % group:
         rounds = f" x {mini_batches} (ppo.num_mini_batches)" if mini_batches > 1 else ""
         raise ConfigError(
-            f"task={cfg.task}: the global batch counts completions, {group} "
+            f"task={cfg.task}: the global batch counts {unit}, {group} "
             f"({cfg.task}.num_generations) per prompt, and each rank generates for its own "
             f"prompts, so micro-batch x gradient accumulation{rounds} ({batch.micro_batch} x "
             f"{batch.grad_accum}{f' x {mini_batches}' if rounds else ''} = {per_rank} "
-            f"completions per rank) must be a multiple of "
+            f"{unit} per rank) must be a multiple of "
             f"{group}; the batch is {batch.describe()}. Set train.per_device_batch_size to a "
             f"multiple of {group} (or adjust {cfg.task}.num_generations)"
         )
@@ -120,16 +123,16 @@ def round_sizes(cfg: RunConfig, prompts: int, batch: Any) -> RoundSizes:
     if rounds == 0:
         raise ConfigError(
             f"the training set has {prompts} usable prompts, fewer than one step's "
-            f"{per_round} ({batch.describe()} completions / {group} per prompt): lower "
+            f"{per_round} ({batch.describe()} {unit} / {group} per prompt): lower "
             "train.per_device_batch_size, or add prompts"
         )
     return RoundSizes(per_rank // group, per_round, rounds, epochs, mini_batches)
 
 
-def schedule(cfg: RunConfig, data: Data, batch: Any) -> Schedule:
+def schedule(cfg: RunConfig, data: Data, batch: Any, *, unit: str = "completions") -> Schedule:
     """Steps from rounds of prompts: E × M steps per round."""
     train = cfg.train
-    sizes = round_sizes(cfg, len(data.train), batch)
+    sizes = round_sizes(cfg, len(data.train), batch, unit=unit)
     per_epoch = sizes.rounds_per_epoch * sizes.steps_per_round
     total = train.max_steps if train.max_steps > 0 else per_epoch * train.epochs
     return Schedule(per_epoch, total, math.ceil(train.warmup_ratio * total))
