@@ -16,6 +16,9 @@ Built-in names serve the offline default run and the tests:
 - `tiny-t2i-shapes`: the project's own trained text-to-image pipeline (a diffusers folder,
   ~3 MB, shipped in the package: `families/text_to_image/shapes_model.py`), not built but read
   where it lies.
+- `tiny-random-t2v-unet3d`, `-t2v-unet3d-v`, `tiny-random-wan`: tiny diffusers text-to-video
+  pipelines (`families/text_to_video/tiny.py`), and `tiny-t2v-shapes`, the project's own
+  trained text-to-video pipeline (`families/text_to_video/shapes_model.py`), shipped.
 
 Each builder lives in its family's room (`families/<family>/builtin.py` or `tiny.py`); this
 table names it by its import path, so the zoo sits below every family.
@@ -59,6 +62,7 @@ class BuiltinModel:
 
 _LANGUAGE = "align_anything.families.language.builtin"
 _T2I = "align_anything.families.text_to_image.tiny"
+_T2V = "align_anything.families.text_to_video.tiny"
 
 # Built-in name -> how to build it into the cache.
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -75,6 +79,10 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-random-sdxl": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_sdxl"),
     "tiny-random-sd3": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_sd3"),
     "tiny-random-flux": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_flux"),
+    # Text-to-video: ModelScope's UNet-3D layout (epsilon, v) and Wan 2.1's.
+    "tiny-random-t2v-unet3d": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d"),
+    "tiny-random-t2v-unet3d-v": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d_v"),
+    "tiny-random-wan": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_wan"),
 }
 # What marks a complete model folder: a transformers model or a diffusers pipeline.
 MODEL_FILES = ("config.json", "model_index.json")
@@ -87,9 +95,11 @@ def _complete(folder: Path) -> bool:
 # Built-in name -> a folder shipped inside the package (trained weights; nothing to build).
 SHIPPED_MODELS: dict[str, Path] = {
     "tiny-t2i-shapes": Path(__file__).parent / "text_to_image" / "builtin" / "tiny-t2i-shapes",
+    "tiny-t2v-shapes": Path(__file__).parent / "text_to_video" / "builtin" / "tiny-t2v-shapes",
 }
 # The family of each shipped model.
-SHIPPED_FAMILIES: dict[str, str] = {"tiny-t2i-shapes": "text_to_image"}
+SHIPPED_FAMILIES: dict[str, str] = {"tiny-t2i-shapes": "text_to_image",
+                                    "tiny-t2v-shapes": "text_to_video"}  # fmt: skip
 
 
 def names_of(family: str) -> list[str]:
