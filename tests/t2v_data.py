@@ -40,6 +40,7 @@ def write_video(path: Path, frames: np.ndarray, *, fps: float = 8,
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = pixel_format
         stream.time_base = base
+        stream.codec_context.time_base = base  # pts in milliseconds, whatever the rate
         if codec == "libx264":
             stream.options = {"crf": "0"}  # lossless-ish: the check must still pass
         for k, frame in enumerate(frames):

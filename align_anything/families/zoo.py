@@ -80,8 +80,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-random-sd3": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_sd3"),
     "tiny-random-flux": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_flux"),
     # Text-to-video: ModelScope's UNet-3D layout (epsilon, v) and Wan 2.1's.
-    "tiny-random-t2v-unet3d": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d"),
-    "tiny-random-t2v-unet3d-v": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d_v"),
+    "tiny-random-t2v-unet3d": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d", 2),
+    "tiny-random-t2v-unet3d-v": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d_v", 2),
     "tiny-random-wan": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_wan"),
 }
 # What marks a complete model folder: a transformers model or a diffusers pipeline.

@@ -6,8 +6,9 @@ every process and ZeRO stage starts from the very same numbers. Frames are 32x32
 
 - `tiny-random-t2v-unet3d`: ModelScope's layout (`TextToVideoSDPipeline`, the one PKU's
   align-anything trains): a `UNet3DConditionModel` over per-frame latents of a 2-D
-  `AutoencoderKL` (two blocks: 4x16x16 latents per frame), one CLIP text encoder, DDIM,
-  epsilon prediction;
+  `AutoencoderKL` (two blocks: 4x16x16 latents per frame; cross attention at the 8x8 level
+  only, which keeps a forward pass cheap on a CPU), one CLIP text encoder, DDIM, epsilon
+  prediction;
 - `tiny-random-t2v-unet3d-v`: the same with v-prediction;
 - `tiny-random-wan`: Wan 2.1's layout (`WanPipeline`): a `WanTransformer3DModel` (flow
   matching, 3-D rotary positions, 1x2x2 patches) over the latents of the causal 3-D
@@ -47,8 +48,8 @@ def _unet3d() -> Any:
 
     return UNet3DConditionModel(
         sample_size=FRAME_SIZE // 2, in_channels=4, out_channels=4, layers_per_block=1,
-        block_out_channels=(16, 32), down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
-        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
+        block_out_channels=(16, 32), down_block_types=("DownBlock3D", "CrossAttnDownBlock3D"),
+        up_block_types=("CrossAttnUpBlock3D", "UpBlock3D"),
         cross_attention_dim=tiny_text.CLIP_WIDTH, attention_head_dim=4, norm_num_groups=8,
     )  # fmt: skip
 
