@@ -167,6 +167,9 @@ def test_the_planner_counts_frames() -> None:
     common = dict(resolution=32, samples=2, precision="fp32", gradient_checkpointing=False)
     eight, sixteen = (denoiser_activations(info, frames=f, **common) for f in (8, 16))
     assert 1.9 < sixteen / eight < 2.1  # every activation has a frame axis
+    wan = diffusion.inspect_pipeline("tiny-random-wan")  # attention called with keywords
+    three, six = (denoiser_activations(wan, frames=f, **common) for f in (3, 6))
+    assert 1.4 < six / three < 2.1  # the text tokens' share does not grow
 
 
 def test_settings_a_video_kind_cannot_take_are_refused() -> None:

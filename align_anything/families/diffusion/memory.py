@@ -95,6 +95,15 @@ class _FlashAttention(torch.autograd.Function):
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+def _flash_attention(*args: Any, **kwargs: Any) -> Any:
+    """`scaled_dot_product_attention`'s stand-in for the meta forward, however the query, key
+    and value are passed (by position, or by name as diffusers' attention dispatch passes
+    them for Wan)."""
+    names = ("query", "key", "value")
+    query, key, value = (*args[:3], *(kwargs[n] for n in names[len(args[:3]) :]))
+    return _FlashAttention.apply(query, key, value)
+
+
 def denoiser_activations(
     info: Any, *, resolution: int, samples: int, precision: str, gradient_checkpointing: bool,
     frames: int | None = None,
@@ -145,7 +154,7 @@ def denoiser_activations(
         batch = _meta_conditioning(info, samples, dtype)
         time = () if frames is None else (frames,)
         noisy = torch.zeros(samples, info.latent_channels, *time, side, side)
-        F.scaled_dot_product_attention = lambda q, k, v, *a, **kw: _FlashAttention.apply(q, k, v)
+        F.scaled_dot_product_attention = _flash_attention
         try:
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
                 predict(denoiser, info, noisy, torch.zeros(samples), batch)

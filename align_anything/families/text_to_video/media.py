@@ -33,7 +33,7 @@ from align_anything.families.text_to_video.videos import (
     sample_times,
 )
 
-SAMPLE_BATCH = 4  # clips per pipeline call when sampling
+SAMPLE_BATCH = 8  # clips per pipeline call when sampling
 
 
 def latent_key_parts(source: VideoSource, *, resolution: int, sampling: Sampling, encoder: str,
