@@ -149,9 +149,9 @@ def test_every_preset_ran_its_stage_and_logged_finite_losses(
     sft_z2_lora: RunResult, sft_z3: RunResult, dpo_z3_offload: RunResult,
     sft_z3_offload_lora: RunResult,
 ) -> None:  # fmt: skip
-    runs = {sft_z0: 0, dpo_z0_lora: 0, dpo_z3_lora_2ranks: 3, dpo_z2: 2, sft_z2_lora: 2,
-            sft_z3: 3, dpo_z3_offload: 3, sft_z3_offload_lora: 3}  # fmt: skip
-    for result, stage in runs.items():
+    runs = [(sft_z0, 0), (dpo_z0_lora, 0), (dpo_z3_lora_2ranks, 3), (dpo_z2, 2),
+            (sft_z2_lora, 2), (sft_z3, 3), (dpo_z3_offload, 3), (sft_z3_offload_lora, 3)]  # fmt: skip
+    for result, stage in runs:
         assert result.zero_stage() == stage, result.output_dir
         steps = result.train_steps()
         assert [m["step"] for m in steps] == [1, 2]
