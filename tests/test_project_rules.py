@@ -108,7 +108,11 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
     {"training": ("training",)},
     {"zoo": ("families", "families.zoo")},
     {"diffusion": ("families.diffusion",)},
-    {"language": ("families.language",), "text_to_image": ("families.text_to_image",)},
+    {
+        "language": ("families.language",),
+        "text_to_image": ("families.text_to_image",),
+        "text_to_video": ("families.text_to_video",),
+    },
     {"pipelines": ("families.pipelines",)},
     {"generation": ("generation",), "rewards": ("rewards",)},
     {"tasks": ("tasks",)},

@@ -58,6 +58,11 @@ BUILTIN_DATASETS: dict[str, str] = {
     "t2i-shapes-pref": "t2i_shapes_pref_train.parquet",
     "t2i-shapes-eval": "t2i_shapes_eval.parquet",
     "t2i-shapes-pref-eval": "t2i_shapes_pref_eval.parquet",
+    # The text-to-video family's moving shapes (`families/text_to_video/motion.py` writes them).
+    "t2v-shapes": "t2v_shapes_train.parquet",
+    "t2v-shapes-pref": "t2v_shapes_pref_train.parquet",
+    "t2v-shapes-eval": "t2v_shapes_eval.parquet",
+    "t2v-shapes-pref-eval": "t2v_shapes_pref_eval.parquet",
 }
 ARITH_DATASETS = tuple(name for name in BUILTIN_DATASETS if name.startswith("arith-"))
 

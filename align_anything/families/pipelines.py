@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from align_anything.families.diffusion.family import Medium, pipeline_family
 from align_anything.families.text_to_image.media import IMAGES
+from align_anything.families.text_to_video.media import VIDEOS
 
 # Medium name -> what reads, draws and checks it.
-MEDIA: dict[str, Medium] = {"image": IMAGES}
+MEDIA: dict[str, Medium] = {"image": IMAGES, "video": VIDEOS}
 
 PIPELINES = pipeline_family("diffusion pipeline", MEDIA)

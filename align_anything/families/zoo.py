@@ -17,6 +17,9 @@ Built-in names serve the offline default run and the tests:
   ~3 MB, shipped in the package: `families/text_to_image/shapes_model.py`), not built but read
   where it lies; `tiny-t2i-shapes-flow`, its flow-matching (SD3-style) sibling, likewise
   (`families/text_to_image/shapes_flow_model.py`).
+- `tiny-random-t2v-unet3d`, `-t2v-unet3d-v`, `tiny-random-wan`: tiny diffusers text-to-video
+  pipelines (`families/text_to_video/tiny.py`), and `tiny-t2v-shapes`, the project's own
+  trained text-to-video pipeline (`families/text_to_video/shapes_model.py`), shipped.
 
 Each builder lives in its family's room (`families/<family>/builtin.py` or `tiny.py`); this
 table names it by its import path, so the zoo sits below every family.
@@ -60,6 +63,7 @@ class BuiltinModel:
 
 _LANGUAGE = "align_anything.families.language.builtin"
 _T2I = "align_anything.families.text_to_image.tiny"
+_T2V = "align_anything.families.text_to_video.tiny"
 
 # Built-in name -> how to build it into the cache.
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -76,6 +80,10 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-random-sdxl": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_sdxl"),
     "tiny-random-sd3": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_sd3"),
     "tiny-random-flux": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_flux"),
+    # Text-to-video: ModelScope's UNet-3D layout (epsilon, v) and Wan 2.1's.
+    "tiny-random-t2v-unet3d": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d", 2),
+    "tiny-random-t2v-unet3d-v": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d_v", 2),
+    "tiny-random-wan": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_wan"),
 }
 # What marks a complete model folder: a transformers model or a diffusers pipeline.
 MODEL_FILES = ("config.json", "model_index.json")
@@ -91,11 +99,13 @@ SHIPPED_MODELS: dict[str, Path] = {
     "tiny-t2i-shapes-flow": (
         Path(__file__).parent / "text_to_image" / "builtin" / "tiny-t2i-shapes-flow"
     ),
+    "tiny-t2v-shapes": Path(__file__).parent / "text_to_video" / "builtin" / "tiny-t2v-shapes",
 }
 # The family of each shipped model.
 SHIPPED_FAMILIES: dict[str, str] = {
     "tiny-t2i-shapes": "text_to_image",
     "tiny-t2i-shapes-flow": "text_to_image",
+    "tiny-t2v-shapes": "text_to_video",
 }
 
 

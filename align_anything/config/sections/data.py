@@ -90,6 +90,14 @@ class DataConfig(_Section):
         ge=1,
         description="The most pixels (width x height) an image may have, checked from its header before any pixel is decoded: a guard against decompression bombs (a small file that decodes to gigabytes), Pillow's own limit by default. Raise it for large images you trust; null: no limit.",
     )
+    num_frames: int | None = Field(
+        ge=1,
+        description="Text-to-video tasks: frames per training clip, sampled from each clip's start at `fps`; null: the pipeline's own default (16 for the UNet-3D layout, 81 for Wan, whose VAE needs 4k+1).",
+    )
+    fps: float | None = Field(
+        gt=0,
+        description="Text-to-video tasks: the rate clips are sampled at (a frame every 1/fps s, by each frame's time; a clip whose rate is anywhere below it, or too short, is refused); null: consecutive frames at the clip's own rate. A folder of frames is taken as consecutive frames.",
+    )
     cache_dir: str | None = Field(
         description="Where tokenised data is cached (null: `data/` under `ALIGN_ANYTHING_CACHE`, else ~/.cache/align_anything). A start with the same data, tokenizer, chat template, max_length, truncation and task encoding reads it instead of tokenising.",
     )

@@ -8,6 +8,11 @@ adapters are added after the base is built (under ZeRO-3 it is already partition
 partitions the new adapter parameters when the engine wraps the model), the adapter is saved
 from a gathered full state dict (never ZeRO-3's empty partitions), and the DPO reference is the
 same denoiser with its adapters disabled (`adapters_disabled`), not a second copy.
+
+A denoiser without diffusers' PEFT integration (`UNet3DConditionModel`, whose pipeline diffusers
+has deprecated) gets the very same LoRA layers from PEFT's `inject_adapter_in_model`, and is
+switched, merged and saved through those layers (`_tuner_layers`) in place of the mixin's
+methods; its adapter file has the same layout.
 """
 
 from __future__ import annotations
@@ -35,9 +40,18 @@ TRANSFORMER_TARGETS = (*UNET_TARGETS, "add_q_proj", "add_k_proj", "add_v_proj", 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
+# Wan's attention blocks: self attention (attn1) and cross attention to the text (attn2), each
+# to_q, to_k, to_v and to_out.0 (diffusers' Wan LoRA training targets).
+WAN_TARGETS = UNET_TARGETS
+
+
 def default_denoiser_targets(kind: str) -> list[str]:
     """The modules LoRA adapts by default in a denoiser of `kind`."""
-    return list(UNET_TARGETS if kind in ("sd", "sdxl") else TRANSFORMER_TARGETS)
+    from align_anything.families.diffusion.kinds import UNET_KINDS
+
+    if kind == "wan":
+        return list(WAN_TARGETS)
+    return list(UNET_TARGETS if kind in UNET_KINDS else TRANSFORMER_TARGETS)
 
 
 def _short_name(name: str) -> str:
@@ -89,7 +103,14 @@ def add_denoiser_adapters(
         init_lora_weights=True,
     )  # fmt: skip
     denoiser.requires_grad_(False)
-    denoiser.add_adapter(config)  # PEFT marks only the adapter parameters trainable
+    if hasattr(denoiser, "add_adapter"):
+        denoiser.add_adapter(config)  # PEFT marks only the adapter parameters trainable
+        return denoiser
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(config, denoiser, adapter_name="default")
+    denoiser.peft_config = {"default": config}
+    denoiser._hf_peft_config_loaded = True  # what diffusers' mixin sets: `has_adapters`
     return denoiser
 
 
@@ -97,15 +118,29 @@ def has_adapters(denoiser: torch.nn.Module) -> bool:
     return bool(getattr(denoiser, "_hf_peft_config_loaded", False))
 
 
+def _tuner_layers(denoiser: torch.nn.Module) -> list[tuple[str, Any]]:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [(n, m) for n, m in denoiser.named_modules() if isinstance(m, BaseTunerLayer)]
+
+
+def _switch_adapters(denoiser: torch.nn.Module, enabled: bool) -> None:
+    if hasattr(denoiser, "enable_adapters"):
+        denoiser.enable_adapters() if enabled else denoiser.disable_adapters()
+        return
+    for _, layer in _tuner_layers(denoiser):
+        layer.enable_adapters(enabled)
+
+
 @contextlib.contextmanager
 def adapters_disabled(denoiser: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """The base denoiser's behaviour inside the block (the Diffusion-DPO reference of a LoRA
     run): adapters off, back on afterwards, also when the block raises."""
-    denoiser.disable_adapters()
+    _switch_adapters(denoiser, False)
     try:
         yield denoiser
     finally:
-        denoiser.enable_adapters()
+        _switch_adapters(denoiser, True)
 
 
 def adapter_state(denoiser: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict:
@@ -137,7 +172,9 @@ def save_denoiser_adapter(
             + (f" ({len(empty)} empty tensors, e.g. {empty[0]})" if empty else "")
             + ": pass the gathered full state dict (ZeRO-3 partitions are empty)"
         )
-    if kind in ("sd", "sdxl"):
+    from align_anything.families.diffusion.kinds import UNET_KINDS
+
+    if kind in UNET_KINDS:
         from diffusers.utils import convert_state_dict_to_diffusers
 
         layers = convert_state_dict_to_diffusers(layers)  # as diffusers' UNet LoRA scripts do
@@ -156,9 +193,19 @@ def save_denoiser_adapter(
 def merge_adapters(denoiser: torch.nn.Module) -> torch.nn.Module:
     """Fold the adapter into the base weights and remove the adapter layers (for a plain
     diffusers folder: `final/`); in place, so call it on a copy that no longer trains."""
-    if has_adapters(denoiser):
+    if not has_adapters(denoiser):
+        return denoiser
+    if hasattr(denoiser, "fuse_lora"):
         denoiser.fuse_lora(lora_scale=1.0)
         denoiser.unload_lora()
+        return denoiser
+    for name, layer in _tuner_layers(denoiser):  # no diffusers mixin: PEFT's layers directly
+        layer.merge()
+        parent, _, child = name.rpartition(".")
+        setattr(denoiser.get_submodule(parent) if parent else denoiser, child,
+                layer.get_base_layer())  # fmt: skip
+    del denoiser.peft_config
+    denoiser._hf_peft_config_loaded = False
     return denoiser
 
 

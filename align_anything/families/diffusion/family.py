@@ -97,7 +97,12 @@ class Medium:
     - `save_samples(rows, path, row_labels, column_labels)`: the samples as files (an image
       grid, ...), returning the still image to log;
     - `check(data_path)`: the held-out check of built-in data (None for other data);
-    - `describe(resolution, latent_shape)`: the start-up summary's line on shapes.
+    - `describe(resolution, latent_shape)`: the start-up summary's line on shapes;
+    - `encoder(parts)`: the frozen parts' encoding of prepared media into latents
+      (`FrozenParts.encode_images`; a clip's: `encode_videos`);
+    - `configure(cfg, info)`: the medium bound to the run's own settings of it (a video's
+      `data.num_frames` and `data.fps`, checked against the kind), or None when it has none:
+      set-up calls it once, so the callables above need no more arguments than an image's.
     """
 
     name: str
@@ -110,6 +115,8 @@ class Medium:
     save_samples: Callable[[list[list[np.ndarray]], Path, list[str], list[str]], Path]
     check: Callable[[Any], OutputCheck | None]
     describe: Callable[[int, tuple[int, ...]], str]
+    encoder: Callable[[Any], Callable[[Any], Any]] = lambda parts: parts.encode_images
+    configure: Callable[[RunConfig, Any], Medium] | None = None
 
 
 @dataclass(frozen=True)
@@ -134,12 +141,16 @@ def resolution_of(cfg: RunConfig, info: diffusion.PipelineInfo) -> int:
     """`data.resolution`, or the pipeline's own; a side the denoiser cannot take (its latents
     must halve evenly through the UNet's blocks, or split into the transformer's patches) is a
     `ConfigError` naming the nearest sizes that work."""
+    from align_anything.families.diffusion.kinds import UNET_KINDS
+
     resolution = cfg.data.resolution or info.default_resolution
     config = info.denoiser_config
-    if info.kind in ("sd", "sdxl"):
+    if info.kind in UNET_KINDS:
         step = 2 ** (len(config.get("block_out_channels") or [0]) - 1)
-    else:  # SD3 patches, Flux's 2x2 packing
-        step = int(config.get("patch_size") or 1) * (2 if info.kind == "flux" else 1)
+    else:  # SD3 patches, Flux's 2x2 packing, Wan's (frames, height, width) patches
+        patch = config.get("patch_size") or 1
+        patch = patch[-1] if isinstance(patch, (list, tuple)) else patch
+        step = int(patch) * (2 if info.kind == "flux" else 1)
     multiple = info.vae_scale_factor * step
     if resolution % multiple:
         lower, upper = resolution // multiple * multiple, (resolution // multiple + 1) * multiple
@@ -168,6 +179,21 @@ def check_model_settings(cfg: RunConfig, info: diffusion.PipelineInfo) -> None:
             "attention kernel; a diffusers denoiser uses its own attention processors (sdpa): "
             "leave it auto"
         )
+    if cfg.speed.gradient_checkpointing:
+        import diffusers
+
+        if not getattr(diffusers, info.denoiser_class)._supports_gradient_checkpointing:
+            problems.append(
+                f"speed.gradient_checkpointing=true: diffusers' {info.denoiser_class} does not "
+                "support gradient checkpointing; set speed.gradient_checkpointing=false (and a "
+                "smaller train.per_device_batch_size or deepspeed=z3_offload for memory)"
+            )
+    if info.medium != "video" and (cfg.data.num_frames is not None or cfg.data.fps is not None):
+        problems.append(
+            f"data.num_frames={cfg.data.num_frames} / data.fps={cfg.data.fps} sample video "
+            f"clips; {cfg.model.name_or_path} is a {info.kind} pipeline, which makes "
+            f"{info.medium}s: leave them null"
+        )
     if problems:
         raise ConfigError("; ".join(problems))
     if model.lora.enabled:
@@ -189,13 +215,14 @@ def load_pipeline_side(
         )
     check_model_settings(cfg, info)
     resolution = resolution_of(cfg, info)
+    medium = media[info.medium]
+    if medium.configure is not None:
+        medium = medium.configure(cfg, info)
     precision = deepspeed_plan.run_precision(
         cfg, device_type=dist.device.type, bf16_supported=comm.bf16_supported()
     )
     parts = diffusion.load_frozen_parts(info, dtype=dsc.torch_dtype(precision), device=dist.device)
-    return PipelineSide(
-        cfg.model.name_or_path, str(info.path), info, media[info.medium], parts, resolution
-    )
+    return PipelineSide(cfg.model.name_or_path, str(info.path), info, medium, parts, resolution)
 
 
 # ---------------------------------------------------------------------------- data
@@ -245,7 +272,7 @@ def _prepare_media(
         key = medium.key_parts(source, model.resolution, encoder, columns)
         note = ensure_latent_cache(
             source, key, root=root, resolution=model.resolution, refs=medium.refs(source),
-            prepare=medium.prepare(model.resolution), encode_media=parts.encode_images,
+            prepare=medium.prepare(model.resolution), encode_media=medium.encoder(parts),
             encode_prompts=parts.encode_prompts, unit=medium.unit, batch_size=ENCODE_BATCH,
             on_start=started,
         )  # fmt: skip
@@ -393,7 +420,8 @@ def describe_pipeline(run: Run) -> ModelFacts:
 def save_final(run: Run) -> None:
     """From the denoiser's gathered weights (collective; rank 0 writes): `final/` (a diffusers
     pipeline folder; a LoRA run's adapter, which `load_lora_weights` reads, and with
-    `model.lora.save_merged` also `final-merged/`) and, with EMA, `final-ema/` the same from
+    `model.lora.save_merged`, or a kind diffusers loads no adapter into, also
+    `final-merged/`) and, with EMA, `final-ema/` the same from
     the average, each with the run's resolved configs."""
     state = run.policy.full_state_dict()
     if not run.dist.is_main:
@@ -414,7 +442,10 @@ def save_final(run: Run) -> None:
         else:
             denoiser = diffusion.denoiser_from_state_dict(model.info, weights)
             diffusion.save_pipeline(model.parts, denoiser, out / name, configs=configs)
-    if lora.enabled and lora.save_merged:
+    from align_anything.families.diffusion.kinds import NO_LORA_LOADING
+
+    if lora.enabled and (lora.save_merged or model.info.kind in NO_LORA_LOADING):
+        # diffusers cannot load an adapter into some kinds' denoisers: give them a whole one
         denoiser = diffusion.denoiser_from_state_dict(model.info, state, adapters=lora.adapters())
         diffusion.save_pipeline(model.parts, denoiser, out / "final-merged", configs=configs)
 

@@ -21,8 +21,13 @@ on nothing else (not the batch, the rank, the world size or the micro-batch spli
 compute what 1 rank does and a resumed run draws what the uninterrupted one drew. The draws are
 made on the CPU and moved, so they are also the same on every device.
 
+Video kinds work the same on 5-D latents [B, C, F, h, w] (the noise draws take any latent
+shape, the formulas broadcast over it): the UNet-3D layout (`unet3d`) as SD, Wan (`wan`) as the
+flow kinds, its transformer given the scheduler's timestep (σ·1000) as diffusers' Wan pipeline
+gives it.
+
 A batch (`Mapping[str, Tensor]`, as `data.latents` collates it): `latents` [B, C, h, w] (scaled
-VAE latents), `prompt_embeds` [B, L, D], for SDXL, SD3 and Flux `pooled_prompt_embeds` [B, P],
+VAE latents; a video's [B, C, F, h, w]), `prompt_embeds` [B, L, D], for SDXL, SD3 and Flux `pooled_prompt_embeds` [B, P],
 for SDXL `add_time_ids` [B, 6] (original size, crop top-left, target size).
 """
 
@@ -152,8 +157,13 @@ def predict(
     noisy = noisy.to(device=device, dtype=dtype)
     timesteps = timesteps.to(device)
     embeds = batch["prompt_embeds"]
-    if info.kind == "sd":
+    if info.kind in ("sd", "unet3d"):
         return denoiser(noisy, timesteps, encoder_hidden_states=embeds, return_dict=False)[0]
+    if info.kind == "wan":
+        return denoiser(
+            hidden_states=noisy, timestep=timesteps, encoder_hidden_states=embeds,
+            return_dict=False,
+        )[0]  # fmt: skip
     if info.kind == "sdxl":
         added = {"text_embeds": batch["pooled_prompt_embeds"],
                  "time_ids": batch["add_time_ids"].to(dtype)}  # fmt: skip

@@ -6,11 +6,12 @@ outputs into files (`families.pipelines.MEDIA`). Adding a kind is a row in each 
 
 from __future__ import annotations
 
-KINDS = ("sd", "sdxl", "sd3", "flux")
+KINDS = ("sd", "sdxl", "sd3", "flux", "unet3d", "wan")
 INDEX = "model_index.json"
 
 # What each kind makes: the medium (a key of `families.pipelines.MEDIA`).
-MEDIUM = {"sd": "image", "sdxl": "image", "sd3": "image", "flux": "image"}
+MEDIUM = {"sd": "image", "sdxl": "image", "sd3": "image", "flux": "image", "unet3d": "video",
+          "wan": "video"}  # fmt: skip
 
 # diffusers' pipeline class of each kind: sampling goes through it, and its
 # `save_lora_weights` writes adapters in the layout its `load_lora_weights` reads.
@@ -19,6 +20,8 @@ PIPELINE_CLASSES = {
     "sdxl": "StableDiffusionXLPipeline",
     "sd3": "StableDiffusion3Pipeline",
     "flux": "FluxPipeline",
+    "unet3d": "TextToVideoSDPipeline",  # ModelScope's layout (align-anything's text-to-video)
+    "wan": "WanPipeline",
 }
 # The parts each kind needs (beyond the denoiser), in the pipeline's order.
 TEXT_ENCODERS = {
@@ -26,9 +29,23 @@ TEXT_ENCODERS = {
     "sdxl": ("text_encoder", "text_encoder_2"),
     "sd3": ("text_encoder", "text_encoder_2", "text_encoder_3"),
     "flux": ("text_encoder", "text_encoder_2"),
+    "unet3d": ("text_encoder",),
+    "wan": ("text_encoder",),  # UMT5
 }
 OPTIONAL_PARTS = {"text_encoder_3", "tokenizer_3"}  # SD3 runs without its T5 (zeros instead)
 # The longest T5 prompt each flow kind's pipeline takes by default (its `__call__` default).
-DEFAULT_T5_LENGTH = {"sd3": 256, "flux": 512}
+DEFAULT_T5_LENGTH = {"sd3": 256, "flux": 512, "wan": 512}
+# The tokenizer part of each kind's T5 encoder.
+T5_TOKENIZER = {"sd3": "tokenizer_3", "flux": "tokenizer_2", "wan": "tokenizer"}
+# Kinds whose diffusers denoiser has no PEFT integration, so that their pipeline's
+# `load_lora_weights` cannot load an adapter (diffusers 0.42's `UNet3DConditionModel`, whose
+# pipeline is deprecated): a LoRA run of these also writes `final-merged/`.
+NO_LORA_LOADING = ("unet3d",)
+# The UNet kinds (a `block_out_channels` denoiser, epsilon or v prediction).
+UNET_KINDS = ("sd", "sdxl", "unet3d")
+# The frames each video kind's pipeline makes by default (its `__call__` default), for
+# `data.num_frames: null`; and the side of a kind whose denoiser config names none.
+DEFAULT_FRAMES = {"unet3d": 16, "wan": 81}
+DEFAULT_RESOLUTION = {"wan": 480}
 # diffusers' default guidance for training a guidance-distilled Flux (its DreamBooth script).
 FLUX_TRAINING_GUIDANCE = 3.5

@@ -48,9 +48,14 @@ def _meta_conditioning(info: Any, samples: int, dtype: torch.dtype) -> dict[str,
     from align_anything.families.diffusion.kinds import DEFAULT_T5_LENGTH
 
     config = info.denoiser_config
+    from align_anything.families.diffusion.kinds import T5_TOKENIZER, UNET_KINDS
+
     clip = _text_length(info, "tokenizer", 77)
-    if info.kind in ("sd", "sdxl"):
+    if info.kind in UNET_KINDS:
         width, tokens = int(config["cross_attention_dim"]), clip
+    elif info.kind == "wan":
+        width = int(config["text_dim"])
+        tokens = min(DEFAULT_T5_LENGTH["wan"], _text_length(info, T5_TOKENIZER["wan"], 10**6))
     else:
         t5_part = "tokenizer_3" if info.kind == "sd3" else "tokenizer_2"
         t5 = min(DEFAULT_T5_LENGTH[info.kind], _text_length(info, t5_part, 10**6))
@@ -90,9 +95,19 @@ class _FlashAttention(torch.autograd.Function):
         return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+def _flash_attention(*args: Any, **kwargs: Any) -> Any:
+    """`scaled_dot_product_attention`'s stand-in for the meta forward, however the query, key
+    and value are passed (by position, or by name as diffusers' attention dispatch passes
+    them for Wan)."""
+    names = ("query", "key", "value")
+    query, key, value = (*args[:3], *(kwargs[n] for n in names[len(args[:3]) :]))
+    return _FlashAttention.apply(query, key, value)
+
+
 def denoiser_activations(
-    info: Any, *, resolution: int, samples: int, precision: str, gradient_checkpointing: bool
-) -> float:
+    info: Any, *, resolution: int, samples: int, precision: str, gradient_checkpointing: bool,
+    frames: int | None = None,
+) -> float:  # fmt: skip
     """Bytes of activations one training forward of `samples` images at `resolution` keeps for
     backward, measured by running the denoiser on the meta device (shapes only: no weights, no
     memory, seconds for a 12B Flux) and adding up every tensor autograd saves that is not a
@@ -107,7 +122,7 @@ def denoiser_activations(
     from align_anything.families.diffusion.parts import empty_denoiser
 
     key = (str(info.path), info.kind, repr(sorted(info.denoiser_config.items())), resolution,
-           samples, precision, gradient_checkpointing)  # fmt: skip
+           samples, precision, gradient_checkpointing, frames)  # fmt: skip
     if key in _ACTIVATIONS:
         return _ACTIVATIONS[key]
     dtype = dsc.torch_dtype(precision)
@@ -137,8 +152,9 @@ def denoiser_activations(
 
             denoiser._gradient_checkpointing_func = counted
         batch = _meta_conditioning(info, samples, dtype)
-        noisy = torch.zeros(samples, info.latent_channels, side, side)
-        F.scaled_dot_product_attention = lambda q, k, v, *a, **kw: _FlashAttention.apply(q, k, v)
+        time = () if frames is None else (frames,)
+        noisy = torch.zeros(samples, info.latent_channels, *time, side, side)
+        F.scaled_dot_product_attention = _flash_attention
         try:
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
                 predict(denoiser, info, noisy, torch.zeros(samples), batch)
@@ -147,7 +163,8 @@ def denoiser_activations(
     total = float(sum(t.numel() * t.element_size() for t in saved.values()))
     if gradient_checkpointing and blocks[0]:
         whole = denoiser_activations(info, resolution=resolution, samples=samples,
-                                     precision=precision, gradient_checkpointing=False)  # fmt: skip
+                                     precision=precision, gradient_checkpointing=False,
+                                     frames=frames)  # fmt: skip
         total += whole / blocks[0]
     _ACTIVATIONS[key] = total
     return total
@@ -175,13 +192,16 @@ class DenoiserFigures:
 def denoiser_figures(
     cfg: RunConfig, info: Any, *, precision: str, resolution: int
 ) -> DenoiserFigures:
-    """The run's `DenoiserFigures`, from the pipeline's configs on the meta device."""
+    """The run's `DenoiserFigures`, from the pipeline's configs on the meta device (a video
+    kind's activations at the run's latent frames)."""
+    frames = info.frames(cfg.data.num_frames)
     return DenoiserFigures(
         sizes=denoiser_sizes(info, adapters=cfg.model.lora.adapters()),
         frozen_parts=sum(frozen_part_sizes(info).values()),
         activations=denoiser_activations(
             info, resolution=resolution, samples=denoiser_samples(cfg), precision=precision,
             gradient_checkpointing=cfg.speed.gradient_checkpointing,
+            frames=None if frames is None else info.latent_frames(frames),
         ),
     )  # fmt: skip
 
@@ -232,4 +252,7 @@ def estimate_memory(
         for name in PRESET_ORDER
     ]
     shape = f"resolution {cfg.data.resolution or 'the pipeline default'}"
+    frames = info.frames(cfg.data.num_frames)
+    if frames is not None:
+        shape += f", {frames} frames ({info.latent_frames(frames)} latent)"
     return FamilyEstimates(estimates, figures.sizes, shape)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from align_anything.errors import ModelError
-from align_anything.families.diffusion.kinds import DEFAULT_T5_LENGTH
+from align_anything.families.diffusion.kinds import DEFAULT_T5_LENGTH, T5_TOKENIZER, UNET_KINDS
 from align_anything.families.diffusion.pipeline import PipelineInfo, _component, _read_json
 
 # ----------------------------------------------------------------- the denoiser
@@ -122,8 +122,13 @@ def training_scheduler(info: PipelineInfo) -> Any:
     carry over), `FlowMatchEulerDiscreteScheduler` for the flow families."""
     from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
-    cls = FlowMatchEulerDiscreteScheduler if info.flow else DDPMScheduler
-    return cls.from_config(info.scheduler_config)
+    if not info.flow:
+        return DDPMScheduler.from_config(info.scheduler_config)
+    config = dict(info.scheduler_config)
+    if "shift" not in config and config.get("flow_shift") is not None:
+        # Wan's folders ship a UniPC sampler in flow mode, whose shift is `flow_shift`.
+        config["shift"] = config["flow_shift"]
+    return FlowMatchEulerDiscreteScheduler.from_config(config)
 
 
 def _load_part(info: PipelineInfo, part: str, dtype: torch.dtype | None) -> Any:
@@ -206,7 +211,14 @@ class FrozenParts:
         kwargs = {name: parts.get(name) for name in expected}
         if "requires_safety_checker" in optional:
             kwargs["requires_safety_checker"] = False
-        pipe = cls(**kwargs)
+        from diffusers.utils import logging as diffusers_logging
+
+        verbosity = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # TextToVideoSDPipeline: "deprecated" (it works)
+        try:
+            pipe = cls(**kwargs)
+        finally:
+            diffusers_logging.set_verbosity(verbosity)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
@@ -220,6 +232,26 @@ class FrozenParts:
         pixels = pixels.to(device=self.device, dtype=vae.dtype)
         mean = vae.encode(pixels).latent_dist.mean
         return (mean - self.info.shift_factor) * self.info.scaling_factor
+
+    @torch.no_grad()
+    def encode_videos(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Scaled latents [B, C, F', h, w] of clips in [-1, 1] ([B, 3, F, H, W]), as the kind's
+        pipeline decodes them: through a 2-D VAE frame by frame (`unet3d`: F' = F, times
+        `scaling_factor`), or a 3-D one whole (`wan`: F' = (F − 1) / 4 + 1, each channel
+        normalised by the VAE's `latents_mean` and `latents_std`). The posterior mean, as for
+        images."""
+        vae, info = self.vae, self.info
+        pixels = pixels.to(device=self.device, dtype=vae.dtype)
+        if info.latents_mean is None:  # a 2-D VAE: the frames as a batch of images
+            b, c, f, h, w = pixels.shape
+            frames = pixels.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
+            latents = self.encode_images(frames)
+            return latents.reshape(b, f, *latents.shape[1:]).permute(0, 2, 1, 3, 4)
+        mean = vae.encode(pixels).latent_dist.mean
+        shape = (1, -1, 1, 1, 1)
+        offset = torch.tensor(info.latents_mean, dtype=mean.dtype, device=mean.device)
+        scale = torch.tensor(info.latents_std, dtype=mean.dtype, device=mean.device)
+        return (mean - offset.view(shape)) / scale.view(shape)
 
     @torch.no_grad()
     def decode_latents(self, latents: torch.Tensor) -> torch.Tensor:
@@ -237,8 +269,14 @@ class FrozenParts:
         pipe = self._text_pipeline
         captions, device = list(captions), self.device
         kind = self.info.kind
-        if kind == "sd":
+        if kind in ("sd", "unet3d"):
             embeds, _ = pipe.encode_prompt(captions, device, 1, False)
+            return {"prompt_embeds": embeds}
+        if kind == "wan":
+            embeds, _ = pipe.encode_prompt(
+                captions, do_classifier_free_guidance=False, device=device,
+                max_sequence_length=self.max_sequence_length,
+            )  # fmt: skip
             return {"prompt_embeds": embeds}
         if kind == "sdxl":
             embeds, _, pooled, _ = pipe.encode_prompt(
@@ -280,7 +318,7 @@ def load_frozen_parts(
         diffusers_logging.set_verbosity(verbosity)
     length = max_sequence_length
     if length is None and info.kind in DEFAULT_T5_LENGTH:
-        t5 = tokenizers.get("tokenizer_3" if info.kind == "sd3" else "tokenizer_2")
+        t5 = tokenizers.get(T5_TOKENIZER[info.kind])
         limit = getattr(t5, "model_max_length", None) or DEFAULT_T5_LENGTH[info.kind]
         length = min(DEFAULT_T5_LENGTH[info.kind], int(limit))
     return FrozenParts(
@@ -340,7 +378,7 @@ def bucket_width(info: PipelineInfo) -> int:
       step for `tiny-t2i-shapes` (37 at 3·c), about a tenth of its Diffusion-DPO step at z2 on
       busy CPU cores (benchmarks/README.md, "Diffusion-DPO")."""
     config = info.denoiser_config
-    if info.kind in ("sd", "sdxl"):
+    if info.kind in UNET_KINDS:
         return UNET_KERNEL_SIDE * int(max(config.get("block_out_channels") or [320]))
     return int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 64))
 

@@ -9,6 +9,8 @@ per part). The kind follows from the denoiser's class and the parts present:
 | `sdxl` | `UNet2DConditionModel` with `addition_embed_type="text_time"` | two CLIP (pooled from the second) | epsilon or v; size and crop conditioning (`add_time_ids`) |
 | `sd3` | `SD3Transformer2DModel` | two CLIP with projection, T5 when the folder has it | flow velocity |
 | `flux` | `FluxTransformer2DModel` | CLIP (pooled) + T5 | flow velocity; packed latents, guidance embedding |
+| `unet3d` (ModelScope text-to-video) | `UNet3DConditionModel` | one CLIP | epsilon or v; latents [C, F, h, w] of a 2-D VAE, frame by frame |
+| `wan` (Wan 2.1) | `WanTransformer3DModel` | UMT5 | flow velocity; latents of a causal 3-D VAE (4x in time), per-channel mean and std |
 
 `inspect_pipeline` reads only JSON files (the start-up checks and the memory planner need no
 weights); loading the parts for training is `parts`.
@@ -24,6 +26,8 @@ from typing import Any
 
 from align_anything.errors import ModelError, did_you_mean
 from align_anything.families.diffusion.kinds import (
+    DEFAULT_FRAMES,
+    DEFAULT_RESOLUTION,
     INDEX,
     MEDIUM,
     OPTIONAL_PARTS,
@@ -43,7 +47,9 @@ class PipelineInfo:
     `prediction` is what the denoiser predicts and so the training target: "epsilon",
     "v_prediction" (from the scheduler's `prediction_type`) or "flow" (velocity ε − x₀).
     Latents are `(vae mean − shift_factor) × scaling_factor`; a latent pixel covers
-    `vae_scale_factor` image pixels per side."""
+    `vae_scale_factor` image pixels per side. A video VAE that normalises each channel (Wan's)
+    has `latents_mean` and `latents_std` instead: latents are `(mean − latents_mean) /
+    latents_std`; one that compresses time (Wan's, 4x) has `temporal_scale_factor` > 1."""
 
     name: str
     path: Path
@@ -60,6 +66,9 @@ class PipelineInfo:
     components: dict[str, Any] = field(repr=False)  # model_index.json's part -> [lib, class]
     denoiser_config: dict[str, Any] = field(repr=False)
     scheduler_config: dict[str, Any] = field(repr=False)
+    temporal_scale_factor: int = 1
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
 
     @property
     def flow(self) -> bool:
@@ -75,8 +84,20 @@ class PipelineInfo:
 
     @property
     def medium(self) -> str:
-        """What the pipeline makes ("image"): which family's room reads its data."""
+        """What the pipeline makes ("image", "video"): which family's room reads its data."""
         return MEDIUM[self.kind]
+
+    def frames(self, num_frames: int | None) -> int | None:
+        """The frames of a training clip: `data.num_frames`, or the kind's pipeline default
+        (None for an image kind)."""
+        if self.medium != "video":
+            return None
+        return int(num_frames or DEFAULT_FRAMES[self.kind])
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a clip of `frames` (a causal 3-D VAE keeps the first frame and
+        compresses the rest `temporal_scale_factor` times)."""
+        return (frames - 1) // self.temporal_scale_factor + 1
 
     def part_path(self, part: str) -> Path:
         return self.path / part
@@ -156,7 +177,7 @@ def resolve_pipeline_path(name_or_path: str) -> Path:
             raise _not_a_pipeline(name_or_path, folder)
         return folder
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
-        names = names_of("text_to_image")
+        names = names_of("text_to_image") + names_of("text_to_video")
         hint = did_you_mean(name_or_path, names)
         raise ModelError(
             f"model.name_or_path={name_or_path!r}: no such folder{hint}; built-in pipelines: "
@@ -187,6 +208,10 @@ def _kind(name: str, index: dict[str, Any], denoiser_class: str, config: dict) -
         return "sd3"
     if denoiser_class == "FluxTransformer2DModel":
         return "flux"
+    if denoiser_class == "UNet3DConditionModel":
+        return "unet3d"
+    if denoiser_class == "WanTransformer3DModel":
+        return "wan"
     if denoiser_class == "UNet2DConditionModel":
         if config.get("addition_embed_type") == "text_time":
             if _component(index, "text_encoder") is None:
@@ -199,7 +224,8 @@ def _kind(name: str, index: dict[str, Any], denoiser_class: str, config: dict) -
     raise ModelError(
         f"model.name_or_path={name!r}: its denoiser is a {denoiser_class}, which no diffusion "
         "task here trains; supported: UNet2DConditionModel (SD 1.x/2.x, SDXL), "
-        "SD3Transformer2DModel (SD3), FluxTransformer2DModel (Flux)"
+        "SD3Transformer2DModel (SD3), FluxTransformer2DModel (Flux), UNet3DConditionModel "
+        "(ModelScope text-to-video), WanTransformer3DModel (Wan 2.1)"
     )
 
 
@@ -237,7 +263,7 @@ def inspect_pipeline(name_or_path: str) -> PipelineInfo:
     _check_parts(name_or_path, folder, index, [x for p in encoders for x in (p, _tokenizer_of(p))])
     scheduler = _read_json(folder / "scheduler" / "scheduler_config.json", what)
     vae = _read_json(folder / "vae" / "config.json", what)
-    if kind in ("sd3", "flux"):
+    if kind in ("sd3", "flux", "wan"):
         prediction = "flow"
     else:
         prediction = scheduler.get("prediction_type") or "epsilon"
@@ -246,13 +272,23 @@ def inspect_pipeline(name_or_path: str) -> PipelineInfo:
                 f"{what}: the scheduler's prediction_type is {prediction!r}; the denoising "
                 "tasks train epsilon or v_prediction UNets"
             )
-    scale = 2 ** (len(vae.get("block_out_channels") or [0]) - 1)
+    scale = int(
+        vae.get("scale_factor_spatial") or 2 ** (len(vae.get("block_out_channels") or [0]) - 1)
+    )
+    per_channel = vae.get("latents_mean") is not None and vae.get("latents_std") is not None
+    sample_size = config.get("sample_size")
+    resolution = (
+        int(sample_size) * scale if sample_size else DEFAULT_RESOLUTION.get(kind, 128 * scale)
+    )
     return PipelineInfo(
         name=name_or_path, path=folder, kind=kind, denoiser_part=denoiser_part,
         denoiser_class=denoiser_class, text_encoders=tuple(encoders), prediction=prediction,
         scaling_factor=float(vae.get("scaling_factor") or 0.18215),
         shift_factor=float(vae.get("shift_factor") or 0.0), vae_scale_factor=scale,
-        latent_channels=int(vae.get("latent_channels", 4)),
-        default_resolution=int(config.get("sample_size") or 128) * scale,
+        latent_channels=int(vae.get("latent_channels") or vae.get("z_dim") or 4),
+        default_resolution=resolution,
         components=index, denoiser_config=config, scheduler_config=scheduler,
+        temporal_scale_factor=int(vae.get("scale_factor_temporal") or 1),
+        latents_mean=tuple(vae["latents_mean"]) if per_channel else None,
+        latents_std=tuple(vae["latents_std"]) if per_channel else None,
     )  # fmt: skip

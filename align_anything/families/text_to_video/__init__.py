@@ -1,0 +1,1 @@
+"""Text-to-video pipelines: the video medium of the pipeline tasks (`media.VIDEOS`)."""
