@@ -10,6 +10,12 @@
 - `server`: a reward model behind the `reward.remote` protocol (`serve-reward`).
 """
 
-from align_anything.rewards.builtin import arith_exact, arith_format, length_penalty
+from align_anything.rewards.builtin import (
+    arith_exact,
+    arith_format,
+    length_penalty,
+    shapes_answer,
+    shapes_picture,
+)
 
-__all__ = ["arith_exact", "arith_format", "length_penalty"]
+__all__ = ["arith_exact", "arith_format", "length_penalty", "shapes_answer", "shapes_picture"]
