@@ -41,7 +41,10 @@ def test_config_typos_are_reported_together(capsys, tmp_path) -> None:
 
 def test_unknown_task_and_preset_list_valid_names(capsys, tmp_path) -> None:
     err = _run(["task=ppq", "deepspeed=z4"], capsys, tmp_path)
-    assert "unknown task" in err and "diffusion_sft, dpo, flow_grpo, grpo, kto, ppo, rloo, rm, sft" in err
+    assert (
+        "unknown task" in err
+        and "diffusion_sft, dpo, flow_grpo, grpo, kto, ppo, rloo, rm, sft" in err
+    )
     assert "unknown preset" in err and "z0, z2, z3, z3_offload" in err
 
 

@@ -41,6 +41,7 @@ import random
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 BUILTIN_DIR = Path(__file__).parent / "builtin"
 
@@ -63,6 +64,14 @@ BUILTIN_DATASETS: dict[str, str] = {
     "t2v-shapes-pref": "t2v_shapes_pref_train.parquet",
     "t2v-shapes-eval": "t2v_shapes_eval.parquet",
     "t2v-shapes-pref-eval": "t2v_shapes_pref_eval.parquet",
+    # Questions about pictures of the shapes world, for image-text models
+    # (`families/text_to_image/shapes_vqa.py` writes them).
+    "shapes-vqa": "shapes_vqa_train.parquet",
+    "shapes-vqa-eval": "shapes_vqa_eval.parquet",
+    "shapes-vqa-pref": "shapes_vqa_pref_train.parquet",
+    "shapes-vqa-pref-eval": "shapes_vqa_pref_eval.parquet",
+    "shapes-vqa-prompts": "shapes_vqa_prompts_train.parquet",
+    "shapes-vqa-prompts-eval": "shapes_vqa_prompts_eval.parquet",
 }
 ARITH_DATASETS = tuple(name for name in BUILTIN_DATASETS if name.startswith("arith-"))
 
@@ -84,6 +93,9 @@ PROMPT_EXAMPLE = ("What number comes after 1234?", "Answer: 1235")
 
 ANSWER_RE = re.compile(r"Answer: (-?\d+)")
 
+# The questions of the `shapes-vqa` sets, by kind (`families/text_to_image/shapes_vqa.py`).
+SHAPES_VQA_KINDS = ("colour", "count", "shape")
+
 
 def builtin_path(name: str) -> Path | None:
     """The shipped file for a built-in dataset name, or None when `name` is not built in."""
@@ -103,6 +115,21 @@ def has_preferred_property(row: dict, generated: str) -> bool:
     all count as False."""
     match = ANSWER_RE.fullmatch(generated.strip())
     return match is not None and int(match.group(1)) == int(row["answer"])
+
+
+def shapes_answer_matches(answer: Any, generated: str) -> bool:
+    """True when `generated` is exactly the one-word `answer` of a `shapes-vqa` question
+    ("red", "3", "circle"): compared in lower case, without surrounding white space and without
+    one final full stop. "Red." passes; "3 circles", "three" and "red and blue" do not."""
+    text = generated.strip().lower()
+    text = text[:-1].rstrip() if text.endswith(".") else text
+    return answer is not None and text == str(answer).strip().lower()
+
+
+def shapes_vqa_check(row: dict, generated: str) -> bool:
+    """The generation check of the `shapes-vqa` sets: `shapes_answer_matches` on the row's
+    `answer`."""
+    return shapes_answer_matches(row.get("answer"), generated)
 
 
 # --- question kinds -------------------------------------------------------------------------

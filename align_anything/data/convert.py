@@ -188,6 +188,33 @@ def _prompt_row(row: Mapping[str, Any]) -> dict:
     return {"prompt": _with_system(prompt, row.get("system"))}
 
 
+def _better_of_two(value: Any) -> int:
+    """`overall_response` as 1 or 2 (a number, or its text in a CSV file)."""
+    if isinstance(value, str) and value.strip() in ("1", "2"):
+        return int(value.strip())
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value in (1, 2):
+        return int(value)
+    raise RowRejected("overall_response is not 1 or 2")
+
+
+def _ranked_pair_row(row: Mapping[str, Any]) -> dict:
+    better = _better_of_two(row["overall_response"])
+    worse = 3 - better
+    prompt = as_messages(row["prompt"], "prompt", "user")
+    _ends_with_user(prompt)
+    return {
+        "prompt": _with_system(prompt, row.get("system")),
+        "chosen": _only_assistant(
+            as_messages(row[f"response_{better}"], f"response_{better}", "assistant"),
+            f"response_{better}",
+        ),
+        "rejected": _only_assistant(
+            as_messages(row[f"response_{worse}"], f"response_{worse}", "assistant"),
+            f"response_{worse}",
+        ),
+    }
+
+
 def parse_hh(transcript: str) -> tuple[list[dict], str]:
     """Split an HH-RLHF transcript at its last "\\n\\nAssistant:" into (prompt messages, completion).
 
@@ -238,4 +265,8 @@ CONVERTERS = {
     "hh": (_hh_row, {"chosen", "rejected"}),
     "unpaired": (_unpaired_row, {"prompt", "response", "label", "system"}),
     "prompt": (_prompt_row, {"prompt", "system"}),
+    "ranked_pair": (
+        _ranked_pair_row,
+        {"prompt", "response_1", "response_2", "overall_response", "system"},
+    ),
 }

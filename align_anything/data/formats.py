@@ -12,6 +12,13 @@ Canonical records (what every later stage consumes):
   such rows).
 - prompt -> ``{"prompt": [messages ending with a user turn]}``: prompt-only data for online RL
   (`data.prompts` encodes it; conversations ending with a user turn are also accepted there).
+- ranked_pair -> a preference record: align-anything's layout, two answers `response_1`,
+  `response_2` to a `prompt` (or `question`) and `overall_response`, the number of the better
+  one (1 or 2; a row with another value is dropped and counted).
+
+align-anything's column names serve as ours where a file lacks ours (`ALIAS_COLUMNS`):
+`question` for `prompt`, `image` (one image: a path, bytes, or `datasets`' image struct) for
+`images`, `audio_path` (a path or `{"array", "sampling_rate"}`) for `audio`.
 
 Columns a format does not consume (``margin`` for reward models, ids, scores, media) pass through
 unchanged. Every record also remembers where it came from under `SOURCE_ROW` (``"line 12"``), so
@@ -39,7 +46,14 @@ from align_anything.data.convert import CONVERTERS, HH_ASSISTANT, RowRejected
 from align_anything.data.sources import columns_of, load_dataset, row_dicts, undecodable_text
 from align_anything.errors import ConfigError, DataError, did_you_mean
 
-FORMATS = ("auto", "conversation", "prompt_response", "preference", "hh", "unpaired", "prompt")
+FORMATS = (
+    "auto", "conversation", "prompt_response", "preference", "hh", "unpaired", "prompt",
+    "ranked_pair",
+)  # fmt: skip
+# Column names of align-anything's data (its `prompt` / `question`, `image`, `audio_path`,
+# `response_1` / `response_2` / `overall_response`), so its users bring their files unchanged:
+# a file column -> the canonical name it stands for when the file has none of that name.
+ALIAS_COLUMNS = {"question": "prompt", "image": "images", "audio_path": "audio"}
 # Rows `load_records` reads from the loaded file at a time.
 LOAD_BATCH = 1000
 
@@ -186,6 +200,8 @@ def _detect_format(names: set[str], first_row: Mapping[str, Any], source: str, f
         return "conversation"
     if {"prompt", "response", "label"} <= names:
         return "unpaired"
+    if {"response_1", "response_2", "overall_response"} <= names:
+        return "ranked_pair"
     if "prompt" in names and "response" in names:
         return "prompt_response"
     if "prompt" in names:
@@ -196,7 +212,8 @@ def _detect_format(names: set[str], first_row: Mapping[str, Any], source: str, f
         "columns they need: conversation: messages; prompt_response: prompt + response "
         "(or completion); preference: prompt + chosen + rejected; hh: chosen + rejected "
         "holding '\\n\\nHuman: ... \\n\\nAssistant: ...' transcripts; unpaired: prompt + "
-        "completion + label; prompt: prompt alone (online RL). Set data.format=<format> "
+        "completion + label; prompt: prompt alone (online RL); ranked_pair: prompt (or "
+        "question) + response_1 + response_2 + overall_response. Set data.format=<format> "
         "and map your columns, e.g. data.columns.prompt=<column>"
     )
 
@@ -216,6 +233,8 @@ def _required_columns(fmt: str, names: set[str], first_row: Mapping[str, Any]) -
         return ["prompt", "response", "label"]
     if fmt == "prompt":
         return ["prompt"]
+    if fmt == "ranked_pair":
+        return ["prompt", "response_1", "response_2", "overall_response"]
     # preference: a prompt column is optional only when chosen/rejected are message lists.
     if "prompt" not in names and isinstance(first_row.get("chosen"), list):
         return ["chosen", "rejected"]
@@ -266,6 +285,7 @@ class OpenedSource:
 FORMAT_KINDS = {
     "conversation": "conversation", "prompt_response": "conversation",
     "preference": "preference", "hh": "preference", "unpaired": "unpaired", "prompt": "prompt",
+    "ranked_pair": "preference",
 }  # fmt: skip
 
 
@@ -301,6 +321,9 @@ def open_source(
             name = "response"
         if name not in renames:
             renames[name] = column
+    for column, name in ALIAS_COLUMNS.items():
+        if renames.get(column) == column and name not in renames:
+            renames[name] = renames.pop(column)
     names = set(renames)
 
     try:

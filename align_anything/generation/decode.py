@@ -16,8 +16,10 @@ stopping criteria. This loop:
 
 Positions follow the left padding (position ids = the attention mask's running count), as
 `generate` computes them, so each completion is the one `generate` samples from the same
-weights and seed (tested: `tests/test_grpo.py`). Text prompts only: image prompts go through
-`generate` (their media inputs enter at prefill only in model-specific ways).
+weights and seed (tested: `tests/test_grpo.py`). Image prompts of a model whose images enter as
+features at their placeholder tokens, on ordinary positions (LLaVA: `layouts.media_in_place`),
+take the same loop with their media inputs at the prefill (`media`); other image-text models go
+through `generate` (their media enter at prefill in model-specific ways, M-RoPE positions).
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ from torch import Tensor
 def sample_completions(
     module: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, *,
     sample: torch.nn.Module | None, max_new_tokens: int, stop: Sequence[int], pad_id: int,
-    device: torch.device,
+    device: torch.device, media: dict[str, Tensor] | None = None,
 ) -> list[list[int]]:  # fmt: skip
     """n completions of each prompt (prompt i's are rows i·n … i·n+n−1): the tokens each
     generated, up to and including its first stop token or `max_new_tokens` of them.
     `sample(rows, logits) -> tokens` picks the next token of the given rows (their indices
-    into the n·P completions) from their logits; None picks the most likely (greedy)."""
+    into the n·P completions) from their logits; None picks the most likely (greedy).
+    `media`: the prompts' media inputs (`pixel_values`, ... of every prompt's placeholders, in
+    prompt order), given to the prefill only."""
     from transformers import DynamicCache
 
     width = max(len(p) for p in prompts)
@@ -51,8 +55,9 @@ def sample_completions(
     positions = (mask.cumsum(-1) - 1).clamp_(min=0)
     cache = DynamicCache()  # filled in place by each forward
     kw = cache_keyword(module)
+    media = {k: v.to(device) for k, v in (media or {}).items()}
     out = module(input_ids=ids, attention_mask=mask, position_ids=positions,
-                 use_cache=True, logits_to_keep=1, **{kw: cache})  # fmt: skip
+                 use_cache=True, logits_to_keep=1, **{kw: cache}, **media)  # fmt: skip
     logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)
     if n > 1:
         cache.batch_repeat_interleave(n)

@@ -34,6 +34,7 @@ import torch
 
 from align_anything.families.language.batches import Rows
 from align_anything.families.language.encode import IGNORE_INDEX
+from align_anything.families.language.layouts import media_in_place
 from align_anything.families.language.multimodal import has_media, media_inputs
 from align_anything.generation.decode import row_sampler, sample_completions
 
@@ -156,10 +157,13 @@ class HFGenerate:
             module.eval()
             stop = stop_token_ids(module, self.tokenizer)
             try:
-                if self.media is not None and has_media(prompts):
-                    generated = self._generate_with_media(module, prompts, n, sampling, seeds, stop)
-                else:
+                if self.media is None or not has_media(prompts):
                     generated = self._decode(module, prompts, n, sampling, seeds, stop)
+                elif media_in_place(module.config) and self.media.has_all_media(prompts):
+                    generated = self._decode(module, prompts, n, sampling, seeds, stop,
+                                             with_media=True)  # fmt: skip
+                else:
+                    generated = self._generate_with_media(module, prompts, n, sampling, seeds, stop)
             finally:
                 module.train(was_training)
         for tokens in generated:
@@ -175,10 +179,12 @@ class HFGenerate:
 
     def _decode(
         self, module: Any, prompts: Sequence[dict], n: int, sampling: Sampling,
-        seeds: Sequence[int], stop: list[int],
+        seeds: Sequence[int], stop: list[int], *, with_media: bool = False,
     ) -> list[list[int]]:  # fmt: skip
         """Text prompts through `decode.sample_completions` (each prompt prefilled once, its
-        cache copied n times, finished sequences retired), `chunk` sequences at a time."""
+        cache copied n times, finished sequences retired), `chunk` sequences at a time; with
+        `with_media`, image prompts of a model whose images enter in place
+        (`layouts.media_in_place`), each chunk's media given to its prefill."""
         per_call = max(1, self.chunk // n)
         out: list[list[int]] = []
         for begin in range(0, len(prompts), per_call):
@@ -193,10 +199,11 @@ class HFGenerate:
                     generators, temperature=sampling.temperature, top_p=sampling.top_p,
                     top_k=sampling.top_k,
                 )  # fmt: skip
+            media = self.media.features(part) if with_media else None
             out += sample_completions(
                 module, [p["prompt_ids"] for p in part], n, sample=sample,
                 max_new_tokens=sampling.max_new_tokens, stop=stop,
-                pad_id=self.tokenizer.pad_token_id, device=self.engine.device,
+                pad_id=self.tokenizer.pad_token_id, device=self.engine.device, media=media,
             )  # fmt: skip
         return out
 

@@ -11,6 +11,20 @@
 - `server`: a reward model behind the `reward.remote` protocol (`serve-reward`).
 """
 
-from align_anything.rewards.builtin import arith_exact, arith_format, length_penalty, shape_colour
+from align_anything.rewards.builtin import (
+    arith_exact,
+    arith_format,
+    length_penalty,
+    shape_colour,
+    shapes_answer,
+    shapes_picture,
+)
 
-__all__ = ["arith_exact", "arith_format", "length_penalty", "shape_colour"]
+__all__ = [
+    "arith_exact",
+    "arith_format",
+    "length_penalty",
+    "shape_colour",
+    "shapes_answer",
+    "shapes_picture",
+]

@@ -1,13 +1,19 @@
 """The built-in reward functions, named `align_anything.rewards:<name>` in `reward.functions`
 (this package's `__init__` exports them): for the built-in arithmetic prompts
-(`arith-prompts`), a shaping example, and for images of the built-in shapes world
-(`shape_colour`)."""
+(`arith-prompts`), for the questions about pictures (`shapes-vqa-prompts`: one by the data's
+answer, one that reads the answer off the picture it was given), for images of the built-in
+shapes world (`shape_colour`), and a shaping example."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from align_anything.data.builtin import ANSWER_RE, has_preferred_property
+from align_anything.data.builtin import (
+    ANSWER_RE,
+    SHAPES_VQA_KINDS,
+    has_preferred_property,
+    shapes_answer_matches,
+)
 
 
 def arith_exact(
@@ -66,3 +72,60 @@ def shape_colour(prompts: list, images: list, **kwargs: Any) -> list[float | Non
         None if shapes.caption_colour(str(prompt)) is None else float(match)
         for prompt, match in zip(prompts, matches, strict=True)
     ]
+
+
+def shapes_answer(
+    prompts: list, completions: list[str], answer: list, **kwargs: Any
+) -> list[float | None]:
+    """1.0 when the completion is exactly the row's one-word `answer` ("red", "3", "circle";
+    case, surrounding white space and a final full stop aside: `shapes_answer_matches`, the
+    `shapes-vqa` sets' check), else 0.0; None for a row without an answer."""
+    return [
+        None if right is None else float(shapes_answer_matches(right, completion))
+        for completion, right in zip(completions, answer, strict=True)
+    ]
+
+
+def shapes_picture(
+    prompts: list, completions: list[str], prompt_images: list, **kwargs: Any
+) -> list[float | None]:
+    """The `shapes-vqa` check against the picture itself rather than an answer column: the
+    colour, count or shape (the `question` field, else the question's words) read off the
+    row's picture by a rule on its pixels (`shapes_vqa.read_picture`), compared like
+    `shapes_answer`. None for a row that does not have exactly one picture of the shapes world
+    or whose question is none of the three. An example of a reward that looks at the input:
+    it needs an image-text policy, whose rows' images reach reward functions as
+    `prompt_images`."""
+    from align_anything.families.text_to_image.shapes_vqa import read_picture
+
+    kinds = kwargs.get("question") or [None] * len(completions)
+    rewards: list[float | None] = []
+    read: dict[int, dict[str, str] | None] = {}
+    for prompt, completion, images, kind in zip(prompts, completions, prompt_images, kinds,
+                                                 strict=True):  # fmt: skip
+        kind = kind if kind in SHAPES_VQA_KINDS else _question_kind(prompt)
+        if kind is None or len(images) != 1:
+            rewards.append(None)
+            continue
+        key = id(images[0])
+        if key not in read:
+            try:
+                read[key] = read_picture(images[0])
+            except ValueError:  # not a picture of the shapes world (another size)
+                read[key] = None
+        answers = read[key]
+        rewards.append(None if answers is None else
+                       float(shapes_answer_matches(answers[kind], completion)))  # fmt: skip
+    return rewards
+
+
+def _question_kind(prompt: Any) -> str | None:
+    """Which `shapes-vqa` question a prompt (text or messages) asks, from its last user turn."""
+    if isinstance(prompt, list):
+        users = [m.get("content", "") for m in prompt if m.get("role") == "user"]
+        prompt = users[-1] if users else ""
+    text = str(prompt).lower()
+    for kind, words in (("colour", "what colour"), ("count", "how many"), ("shape", "which shape")):
+        if words in text:
+            return kind
+    return None

@@ -30,6 +30,20 @@ The text-to-image tasks call the same functions the same way with `images` in pl
   the same code as for text (`score_completions(..., images=...)`); a message names the image
   by its size instead of quoting a completion.
 
+An image-text or audio-text policy's functions also get what each row showed the model, so a
+rule can check an answer against the picture or the sound (`MediaSupport.prompt_media`):
+
+- `prompt_images`: per completion, the list of its row's images in the row's order, each a
+  `PIL.Image.Image` in mode "RGB" as displayed (EXIF orientation applied; the picture as the
+  data gave it, before the processor resized it); [] for a row without images. The G
+  completions of one prompt share the same objects. (The text-to-image tasks' `images=` are
+  something else: the images the model generated, in place of `completions`.)
+- `prompt_audio`: the same for audio, each clip a float32 numpy array, mono, at the model's
+  sampling rate.
+
+They are passed only when the policy takes that medium (a text-only run's functions never see
+them); a remote reward gets them too, images as base64 PNG (`rewards.remote`).
+
 `score_completions` turns the returns into tensors: the total is Σ wᵢ·rᵢ over the functions
 that gave a number (TRL's `nansum`); a completion for which every function returned None has
 total NaN, which TRL calls unscorable: the advantage functions in `losses.rl` leave it out of

@@ -8,7 +8,9 @@ model this way):
     → 200 {"rewards": [float or null, ...]}
 
 one entry per completion in every list, exactly the arguments a reward function gets (a prompt
-is repeated for its G completions; the fields are the prompt data's other columns); a reward is
+is repeated for its G completions; the fields are the prompt data's other columns, and for an
+image-text or audio-text policy the rows' own media, `prompt_images` / `prompt_audio`, see
+below); a reward is
 a finite number or null ("no opinion", as a function's None): NaN, Infinity, a string or a
 boolean (`true` is an answer to another question, not a reward of 1) fail the request, naming
 the URL and the row. Rows go in requests of at most `max_rows` each, one after the other.
@@ -21,6 +23,16 @@ file (RGB, the run's resolution; lossless, so the server sees exactly the genera
     → 200 {"rewards": [float or null, ...]}
 
 (in Python: `PIL.Image.open(io.BytesIO(base64.b64decode(entry)))`).
+
+Media of the prompts (an image-text or audio-text policy): `prompt_images` holds, per
+completion, the list of its row's images, each the base64 text of a PNG file (RGB, the picture
+as the data gave it, lossless); `prompt_audio` the list of its row's clips, each a list of
+float samples (mono, at the model's sampling rate):
+
+    {"prompts": [...], "completions": [...], "prompt_images": [["iVBORw0KGgo...", ...], ...], ...}
+
+(in Python: `PIL.Image.open(io.BytesIO(base64.b64decode(entry)))`). The same encoding serves
+any other PIL image or numpy array a field holds.
 
 Several URLs: each URL is one reward of its own, with its own weight in `reward.weights` (after
 the functions and the reward model), scored on every completion and added up with the others:
@@ -43,8 +55,10 @@ value appear in any message, and URLs are shown without user info or query strin
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
+import io
 import json
 import math
 import os
@@ -112,6 +126,20 @@ def headers_from_env(name: str | None, *, key: str = "reward.remote.headers_env"
             "of header names to string values"
         )
     return headers
+
+
+def media_json(value: Any) -> Any:
+    """JSON for what `json` cannot write itself among the rows' fields: a PIL image as the
+    base64 text of its PNG file (RGB; lossless), a numpy array (audio samples) or number as
+    a list or a plain number. Anything else stays unwritable (`TypeError`: the request fails
+    naming its rows)."""
+    if hasattr(value, "save") and hasattr(value, "mode") and hasattr(value, "size"):
+        buffer = io.BytesIO()
+        value.convert("RGB").save(buffer, format="PNG")
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 class _Attempt(Exception):
@@ -246,7 +274,7 @@ class RemoteReward:
             sent = [outputs[i] for i in rows]
             body = {
                 "prompts": [prompts[i] for i in rows],
-                key: [png_base64(image) for image in sent] if key == "images" else sent,
+                key: sent,  # images become base64 PNG text in the request (media_json)
                 **{name: [values[i] for i in rows] for name, values in fields.items()},
             }
             rewards += self._request(body, rows)
@@ -256,7 +284,7 @@ class RemoteReward:
         """One chunk of rows, with retries; its rewards or RowsFailed."""
         where = f"POST {shown_url(self.url)}"
         try:
-            data = json.dumps(body).encode()
+            data = json.dumps(body, default=media_json).encode()
         except (TypeError, ValueError) as err:
             raise RowsFailed(f"{where}: the rows cannot be sent as JSON ({err})", rows) from None
         attempts = self.retries + 1
@@ -346,16 +374,6 @@ class RemoteReward:
                     retry=False, row=index,
                 )  # fmt: skip
         return [None if v is None else float(v) for v in rewards]
-
-
-def png_base64(image: Any) -> str:
-    """An image (PIL) as the base64 text of its PNG file, as the protocol sends images."""
-    import base64
-    import io
-
-    buffer = io.BytesIO()
-    image.convert("RGB").save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _server_says(err: urllib.error.HTTPError) -> str:

@@ -10,7 +10,14 @@ from pydantic import Field, field_validator, model_validator
 from align_anything.config.sections.base import _Section
 
 DataFormat = Literal[
-    "auto", "conversation", "prompt_response", "preference", "hh", "unpaired", "prompt"
+    "auto",
+    "conversation",
+    "prompt_response",
+    "preference",
+    "hh",
+    "unpaired",
+    "prompt",
+    "ranked_pair",
 ]
 # The keys a `data.path` / `data.eval_path` list entry may leave out (they inherit or take all rows).
 SOURCE_OPTIONAL = ("format", "columns", "weight", "rows")
@@ -50,10 +57,10 @@ class DataSource(_Section):
 
 class DataConfig(_Section):
     path: str | list[DataSource] = Field(
-        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`, `arith-prompts`, `arith-prompts-eval`) or a hub dataset; or a list of sources to mix, each `{path, format, columns, weight | rows}` (e.g. `[{path: a.jsonl, weight: 3}, {path: b.jsonl, weight: 1}]`).",
+        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`, `arith-prompts`, `arith-prompts-eval`; for image-text models `shapes-vqa`, `shapes-vqa-pref`, `shapes-vqa-prompts` and their `-eval` sets) or a hub dataset; or a list of sources to mix, each `{path, format, columns, weight | rows}` (e.g. `[{path: a.jsonl, weight: 3}, {path: b.jsonl, weight: 1}]`).",
     )
     format: DataFormat = Field(
-        description="How rows map to records; `auto` recognises conversations, prompt/response, preference pairs, HH-RLHF transcripts, unpaired rows (prompt, completion, label) and prompts alone (online RL).",
+        description="How rows map to records; `auto` recognises conversations, prompt/response, preference pairs, HH-RLHF transcripts, unpaired rows (prompt, completion, label), prompts alone (online RL) and align-anything's ranked pairs (`response_1`, `response_2`, `overall_response`: `ranked_pair`). Its column names also serve: `question` for a missing `prompt`, `image` for `images`, `audio_path` for `audio`.",
     )
     columns: dict[str, str] = Field(
         description="Canonical name -> column in the file, e.g. `{prompt: question, chosen: good}` (names: messages, prompt, response or completion, chosen, rejected, system, margin, label).",

@@ -77,7 +77,8 @@ class SharedPrefix(_ReadByKey):
     `input_ids`, `attention_mask` (real tokens, for counting), `position_ids` [G, L], the 4D
     `shared_prefix_mask`, and the scored tokens flat: `score_positions`, `score_targets`,
     `score_sequences` (whose each is), `num_sequences`; `sequence_ends`: the flat position of
-    each sequence's last token (a reward model's score is read there)."""
+    each sequence's last token (a reward model's score is read there); `media`: the media
+    inputs of the prefixes' placeholders."""
 
     input_ids: Tensor
     attention_mask: Tensor
@@ -88,6 +89,14 @@ class SharedPrefix(_ReadByKey):
     score_sequences: Tensor
     num_sequences: int
     sequence_ends: Tensor
+    # An image-text batch's media inputs (`pixel_values`, ...), one item per row's prefix
+    # (`MediaSupport.features`; online RL with `layouts.supports_shared_media_prompt`).
+    media: dict[str, Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.media:
+            return self.media[key]
+        return super().__getitem__(key)
 
 
 Layout = Rows | Packed | SharedPrefix

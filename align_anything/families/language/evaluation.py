@@ -11,7 +11,7 @@ import torch
 
 from align_anything.backend import distributed as comm
 from align_anything.backend.engine import Engine
-from align_anything.data.builtin import has_preferred_property
+from align_anything.data.builtin import has_preferred_property, shapes_vqa_check
 from align_anything.training.batching import shard_chunks
 from align_anything.training.run import Run
 
@@ -22,6 +22,9 @@ PROPERTY_CHECKS: dict[str, Callable[[dict, str], bool]] = {
     "arith-kto": has_preferred_property,
     "arith-prompts": has_preferred_property,
     "arith-prompts-eval": has_preferred_property,
+    # Questions about pictures: the greedy answer is exactly the row's `answer`.
+    "shapes-vqa-prompts": shapes_vqa_check,
+    "shapes-vqa-prompts-eval": shapes_vqa_check,
 }
 # Prompts generated for at once.
 CHUNK = 16

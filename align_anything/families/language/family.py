@@ -88,7 +88,12 @@ def load_model_side(cfg: RunConfig, dist: comm.DistInfo, spec: Any) -> ModelSide
         model.attn_implementation, config, reward=reward_head, device_type=dist.device.type,
         precision=cfg.train.precision,
     )  # fmt: skip
-    media = MediaSupport(processor, modalities, cfg.data.max_image_pixels) if modalities else None
+    context = getattr(config.get_text_config(), "max_position_embeddings", None)
+    media = (
+        MediaSupport(processor, modalities, cfg.data.max_image_pixels, context)
+        if modalities
+        else None
+    )
     return ModelSide(model.name_or_path, path, config, tokenizer, processor, media, kernel)
 
 

@@ -319,6 +319,7 @@ def _shared_prefix_scored_logits(
         "input_ids": input_ids,
         "attention_mask": batch.shared_prefix_mask,
         "position_ids": batch.position_ids,
+        **batch.media,
     }
     if completion_only:
         keep = torch.zeros(input_ids.numel(), dtype=torch.bool, device=input_ids.device)

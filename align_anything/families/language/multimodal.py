@@ -43,6 +43,9 @@ MEDIA_MODEL_INPUTS = (
 
 # Markers a record may put in its text to place its media: k-th marker = k-th item.
 MARKERS = {"image": "<image>", "audio": "<audio>"}
+# The keywords online RL's reward functions get a row's own media under (`prompt_media`):
+# the media of the prompt, not what the model made (text-to-image rewards get `images=`).
+PROMPT_MEDIA_KEYS = {"image": "prompt_images", "audio": "prompt_audio"}
 
 
 @dataclass
@@ -52,6 +55,9 @@ class MediaSupport:
     processor: Any
     modalities: tuple[str, ...]
     max_image_pixels: int | None = MAX_IMAGE_PIXELS  # data.max_image_pixels
+    # The language model's context (its `max_position_embeddings`; None: unknown): a row whose
+    # media alone need more tokens holds more images or clips than the model takes.
+    context: int | None = None
     _token_counts: dict[tuple, int] = field(default_factory=dict)
 
     @property
@@ -130,7 +136,8 @@ class MediaSupport:
             shown = "\n  ".join(problems[:5]) + ("\n  ..." if len(problems) > 5 else "")
             where = f" (relative paths are read from {base_dir})" if base_dir else ""
             raise DataError(
-                f"{len(problems)} row(s) of {data_path} have missing or unreadable media{where} "
+                f"{len(problems)} row(s) of {data_path} have missing, unreadable or too many "
+                f"media{where} "
                 f"(numbered from 1 as in the file):\n  {shown}\nFix or remove those rows."
             )
         return prepared
@@ -151,6 +158,14 @@ class MediaSupport:
                 )
             counts = [self.token_count(modality, self._probe(modality, r, base_dir)) for r in refs]
             total += sum(counts)
+            if self.context is not None and total > self.context:
+                noun = "image" if modality == "image" else "audio clip"
+                raise MediaUnreadable(
+                    f"has {len(refs)} {noun}s ({sum(counts)} placeholder tokens, "
+                    f"{max(counts)} for the largest), more than the model takes: their tokens "
+                    f"alone exceed its context of {self.context} tokens "
+                    "(max_position_embeddings). Give that row fewer or smaller media"
+                )
             expanded[modality] = [self.placeholder(modality, n) for n in counts]
             record[key] = [_absolute(r, base_dir) for r in refs]
         if expanded:
@@ -203,6 +218,45 @@ class MediaSupport:
             placeholder |= batch.input_ids == self.token_id(modality)
         batch.labels = batch.labels.masked_fill(placeholder, IGNORE_INDEX)
         return batch
+
+    def has_all_media(self, rows: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether every row has media of every modality the model takes (so a batch of them
+        runs every encoder without a dummy row)."""
+        keys = [k for k, m in MEDIA_KEYS.items() if m in self.modalities]
+        return bool(rows) and all(as_list(row.get(k)) for row in rows for k in keys)
+
+    def features(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        """The model inputs of the rows' media, decoded, in row order (no dummy row: see
+        `has_all_media`)."""
+        out: dict[str, torch.Tensor] = {}
+        for modality in self.modalities:
+            key = next(k for k, m in MEDIA_KEYS.items() if m == modality)
+            media = [self._decode(modality, ref) for row in rows for ref in as_list(row.get(key))]
+            out.update(self._features(modality, media))
+        return out
+
+    def prompt_media(self, rows: Sequence[Mapping[str, Any]]) -> dict[str, list[list[Any]]]:
+        """What online RL's reward functions get of each row's own media, one list per row
+        (in the row's order; [] for a row without): `prompt_images` (PIL images, RGB, as
+        displayed: what the model was shown, before its processor resized them) for a model
+        that takes images, `prompt_audio` (float32 numpy arrays, mono, at the feature
+        extractor's sampling rate) for one that takes audio. A row repeated for its G
+        completions is decoded once; its entries are the same objects."""
+        out: dict[str, list[list[Any]]] = {}
+        for modality in self.modalities:
+            key = next(k for k, m in MEDIA_KEYS.items() if m == modality)
+            decoded: dict[Any, Any] = {}
+            per_row = []
+            for row in rows:
+                items = []
+                for ref in as_list(row.get(key)):
+                    name = _ref_key(ref)
+                    if name not in decoded:
+                        decoded[name] = self._decode(modality, ref)
+                    items.append(decoded[name])
+                per_row.append(items)
+            out[PROMPT_MEDIA_KEYS[modality]] = per_row
+        return out
 
     def _decode(self, modality: str, ref: Any) -> Any:
         try:
@@ -271,6 +325,18 @@ def media_base_dir(data_path: str) -> Path | None:
     if path.is_file():
         return path.resolve().parent
     return None
+
+
+def _ref_key(ref: Any) -> Any:
+    """A hashable name of a media reference (a path, embedded bytes, or the dict holding
+    them), so that rows sharing a reference decode it once."""
+    if isinstance(ref, Mapping):
+        array = ref.get("array")
+        return ("dict", ref.get("path"), ref.get("bytes"),
+                id(array) if array is not None else None)  # fmt: skip
+    if isinstance(ref, (bytes, bytearray)):
+        return bytes(ref)
+    return ref if isinstance(ref, str) else id(ref)
 
 
 def _absolute(ref: Any, base_dir: Path | None) -> Any:

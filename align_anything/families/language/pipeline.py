@@ -40,6 +40,7 @@ from align_anything.data.formats import (
     OpenedSource,
     check_margins,
     check_source_kind,
+    describe_rows,
     open_source,
     split_records,
 )
@@ -257,14 +258,17 @@ def read_records(opened: OpenedSource, *, media: Any, model_name: str, work: Pat
         shown = "\n  ".join(found[:5]) + ("\n  ..." if len(found) > 5 else "")
         where = f" (relative paths are read from {base_dir})" if base_dir else ""
         raise DataError(
-            f"{len(found)} row(s) of {opened.path} have missing or unreadable media"
+            f"{len(found)} row(s) of {opened.path} have missing, unreadable or too many media"
             f"{where} (numbered from 1 as in the file):\n  {shown}\nFix or remove those rows."
         )
     if media is None and pc.any(table.column("_media")).as_py():
+        with_media = pc.filter(table.column(SOURCE_ROW), table.column("_media")).to_pylist()
+        shown = describe_rows(with_media[:5]) + (", ..." if len(with_media) > 5 else "")
         raise UserError(
-            f"{opened.path} has images or audio, but model {model_name} is a text-only "
-            "model. Use an image-text or audio-text model (e.g. "
-            "model.name_or_path=tiny-random-llava), or data without media."
+            f"{opened.path} has images or audio in {len(with_media)} row(s) ({shown}; numbered "
+            f"from 1 as in the file), but model {model_name} is a text-only model. Use an "
+            "image-text or audio-text model (e.g. model.name_or_path=llava-smollm2-shapes, or "
+            "tiny-random-llava), or data without media."
         )
     records = converted.select(kept, keep_in_memory=True).select_columns(["record", SOURCE_ROW])
     return records, report

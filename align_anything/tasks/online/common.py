@@ -293,12 +293,15 @@ class Rewards:
 
     def __init__(
         self, functions: list, weights: list[float], model: RewardModel | None, *,
-        timeout_s: float | None,
+        timeout_s: float | None, media: MediaSupport | None = None,
     ) -> None:  # fmt: skip
         self.functions = functions
         self.weights = weights
         self.model = model
         self.timeout_s = timeout_s  # each function call's deadline (reward.timeout_seconds)
+        # An image-text or audio-text policy's: the functions also get each row's own media
+        # (`prompt_images`, `prompt_audio`: `MediaSupport.prompt_media`).
+        self.media = media
         self.names = [name for name, _ in functions] + (["reward_model"] if model else [])
 
     def describe(self) -> str:
@@ -320,10 +323,13 @@ class Rewards:
             count = len(self.functions)
             total, per = [math.nan] * len(texts), {}
             if count:
+                fields = row_fields(rows)
+                if self.media is not None:
+                    fields.update(self.media.prompt_media(rows))
                 try:
                     scored, by_name = reward_fns.score_completions(
                         self.functions, self.weights[:count], prompts=prompts,
-                        completions=texts, fields=row_fields(rows), row_ids=row_ids,
+                        completions=texts, fields=fields, row_ids=row_ids,
                         timeout_s=self.timeout_s,
                     )  # fmt: skip
                 except reward_fns.RewardError as err:
@@ -397,7 +403,16 @@ class OnlineRL(Task):
         for b, row in enumerate(rows):
             if not (drop and row["truncated"]):
                 mask[b, : len(row["completion_ids"])] = 1.0
-        shared = self.shared_layout(rows) if self.share_prefix else None
+        shared = None
+        if self.share_prefix:
+            # An image-text batch shares its prompts only when every row has its media: a row
+            # without would need a dummy item, which the shared rows have no place for.
+            if self.media is None:
+                shared = self.shared_layout(rows)
+            elif self.media.has_all_media(rows):
+                shared = self.shared_layout(rows)
+                firsts = [r for i, r in enumerate(rows) if i == 0 or rows[i - 1]["row"] != r["row"]]
+                shared.media = self.media.features(firsts)
         lengths = torch.tensor([len(r["completion_ids"]) for r in rows])
         truncated = torch.tensor([r["truncated"] for r in rows])
         return RolloutBatch(batch, shared, mask, truncated, lengths=lengths)

@@ -58,7 +58,11 @@ from align_anything.errors import UserError
 from align_anything.families.language import reference
 from align_anything.families.language.encode import IGNORE_INDEX
 from align_anything.families.language.family import completion_only_logits, fresh_model_loader
-from align_anything.families.language.layouts import mask_dtype, supports_shared_prompt
+from align_anything.families.language.layouts import (
+    mask_dtype,
+    supports_shared_media_prompt,
+    supports_shared_prompt,
+)
 from align_anything.generation.rollout import (
     Completions,
     GenerationBackend,
@@ -543,6 +547,7 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         cfg.reward.weight_list(),
         model,
         timeout_s=cfg.reward.timeout_seconds,
+        media=run.model.media,
     )
     frozen = None
     if rl.uses_reference():
@@ -572,12 +577,17 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         f"top_p {rl.top_p:g}, top_k {rl.top_k}",
         f"  generator       {generator.describe()}",
     ]  # fmt: skip
-    # Text models whose attention takes a dense mask (`data.layouts`).
-    share_prefix = cfg.speed.share_prefix and supports_shared_prompt(policy.module.config)
+    # Text models whose attention takes a dense mask (`data.layouts`), and image-text models
+    # whose images enter at their placeholders (the prompt's images then run once too).
+    config = policy.module.config
+    share_prefix = cfg.speed.share_prefix and (
+        supports_shared_prompt(config) if media is None else supports_shared_media_prompt(config)
+    )
     if share_prefix:
         run.summary.append(
             "  rows            the completions of a prompt in a micro-batch as one row "
             "prompt + completions (speed.share_prefix)"
+            + (", the prompt's media once" if media is not None else "")
         )
     task = OnlineRL(
         algorithm=algorithm, rl=rl, policy=policy, generator=generator, rewards=rewards,
