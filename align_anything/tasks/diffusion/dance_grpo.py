@@ -16,7 +16,7 @@ from __future__ import annotations
 from align_anything.config import RunConfig
 from align_anything.families.diffusion.family import PipelineSide
 from align_anything.families.pipelines import PIPELINES
-from align_anything.tasks.diffusion import online
+from align_anything.tasks.diffusion import online, rounds
 from align_anything.tasks.diffusion.flow_grpo import StepGRPO, grpo_parts
 from align_anything.training.run import Run
 from align_anything.training.task import TaskSpec
@@ -39,7 +39,7 @@ def check(cfg: RunConfig, model: PipelineSide) -> None:
     online.check_rewards(cfg)
 
 
-def build(run: Run) -> tuple[online.ImageRL, online.ImageRounds]:
+def build(run: Run) -> tuple[online.ImageRL, rounds.ImageRounds]:
     section = run.cfg.dance_grpo
     assert section is not None
     noise, what = noise_setting(run.cfg, run.model)
@@ -50,7 +50,7 @@ def build(run: Run) -> tuple[online.ImageRL, online.ImageRounds]:
         "each image from its own initial noise"
     )  # fmt: skip
     algorithm = StepGRPO(section, name="dance_grpo", shared_noise=section.shared_noise)
-    return online.build_image_rl(
+    return rounds.build_image_rl(
         run, algorithm, sampler, reference=reference, lines=[*lines, f"  noise           {shared}"]
     )
 

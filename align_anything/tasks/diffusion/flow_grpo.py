@@ -42,7 +42,7 @@ from align_anything.families.diffusion.family import PipelineSide
 from align_anything.families.diffusion.forward import draw_seed
 from align_anything.families.pipelines import PIPELINES
 from align_anything.losses import capped_group_advantages, gaussian_kl, step_policy_loss
-from align_anything.tasks.diffusion import online
+from align_anything.tasks.diffusion import online, rounds
 from align_anything.tasks.diffusion.common import build_reference
 from align_anything.training.batching import to_device
 from align_anything.training.run import Run
@@ -216,7 +216,7 @@ def check(cfg: RunConfig, model: PipelineSide) -> None:
     online.check_rewards(cfg)
 
 
-def build(run: Run) -> tuple[online.ImageRL, online.ImageRounds]:
+def build(run: Run) -> tuple[online.ImageRL, rounds.ImageRounds]:
     section = run.cfg.flow_grpo
     assert section is not None
     sampler = online.rollout_sampler(
@@ -225,7 +225,7 @@ def build(run: Run) -> tuple[online.ImageRL, online.ImageRounds]:
     )  # fmt: skip
     reference, lines = grpo_parts(run, sampler)
     algorithm = StepGRPO(section, name="flow_grpo")
-    return online.build_image_rl(run, algorithm, sampler, reference=reference, lines=lines)
+    return rounds.build_image_rl(run, algorithm, sampler, reference=reference, lines=lines)
 
 
 SPEC = TaskSpec(

@@ -55,7 +55,7 @@ from align_anything.families.diffusion.forward import (
 )
 from align_anything.families.pipelines import PIPELINES
 from align_anything.losses import nft_loss, nft_optimality, per_sample_mse
-from align_anything.tasks.diffusion import online
+from align_anything.tasks.diffusion import online, rounds
 from align_anything.training.batching import to_device
 from align_anything.training.run import Run
 from align_anything.training.task import TaskSpec
@@ -246,7 +246,7 @@ def check(cfg: RunConfig, model: PipelineSide) -> None:
     online.check_rewards(cfg)
 
 
-def build(run: Run) -> tuple[online.ImageRL, online.ImageRounds]:
+def build(run: Run) -> tuple[online.ImageRL, rounds.ImageRounds]:
     section = run.cfg.diffusion_nft
     assert section is not None
     sampler = online.rollout_sampler(run.cfg, run.model, noise=section.sample_noise,
@@ -267,7 +267,7 @@ def build(run: Run) -> tuple[online.ImageRL, online.ImageRounds]:
         f"advantages capped at +-{section.adv_clip_max:g}; a fresh noise draw per image and "
         "step",
     ]
-    return online.build_image_rl(run, algorithm, sampler, lines=lines)
+    return rounds.build_image_rl(run, algorithm, sampler, lines=lines)
 
 
 SPEC = TaskSpec(
