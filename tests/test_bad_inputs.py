@@ -45,7 +45,7 @@ def bad(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "empty_completions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     rows = [_conversation("hi " * 50, "yo") for _ in range(20)]
     (root / "long_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "pairs.csv").write_text("question,answer\nq,a\n")
+    (root / "pairs.csv").write_text("query,answer\nq,a\n")
     (root / "broken.parquet").write_bytes(b"PAR1 not really parquet")
     (root / "no_data").mkdir()
     (root / "no_model").mkdir()
@@ -220,7 +220,7 @@ CASES = [
      ["{bad}/no_eval.jsonl does not exist"]),
     ("csv-missing-columns",
      ["task=dpo", TINY, "data.path={bad}/pairs.csv", "data.format=preference"],
-     ["missing column 'prompt' in {bad}/pairs.csv", "'question', 'answer'", "data.columns.prompt"]),
+     ["missing column 'prompt' in {bad}/pairs.csv", "'query', 'answer'", "data.columns.prompt"]),
     ("every-completion-empty", ["task=sft", TINY, "data.path={bad}/empty_completions.jsonl"],
      ["no usable training rows in {bad}/empty_completions.jsonl",
       "(line and row numbers of the file, from 1)", "empty completion (lines 1, 2, 3"]),

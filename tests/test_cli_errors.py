@@ -60,9 +60,9 @@ def test_missing_dataset_file(capsys, tmp_path) -> None:
 
 def test_missing_column_names_what_was_found(capsys, tmp_path) -> None:
     data = tmp_path / "pairs.jsonl"
-    data.write_text(json.dumps({"question": "q", "good": "a", "bad": "b"}) + "\n")
+    data.write_text(json.dumps({"query": "q", "good": "a", "bad": "b"}) + "\n")
     err = _run(["task=dpo", TINY, f"data.path={data}", "data.format=preference"], capsys, tmp_path)
-    assert "prompt" in err and "question" in err and "data.columns" in err
+    assert "prompt" in err and "query" in err and "data.columns" in err
 
 
 def test_task_and_data_kind_mismatch(capsys, tmp_path) -> None:

@@ -456,9 +456,9 @@ def test_missing_column_errors_suggest_the_mapping(tmp_path):
     assert "missing column 'promt' (set by data.columns.prompt)" in message
     assert message.endswith("Fix: data.columns.prompt=prompts")
 
-    path = write_jsonl(tmp_path / "odd.jsonl", [{"question": "p", "answer": "a"}])
+    path = write_jsonl(tmp_path / "odd.jsonl", [{"query": "p", "answer": "a"}])
     with pytest.raises(
-        DataError, match=r"cannot tell the format .*'question', 'answer'.*data\.format"
+        DataError, match=r"cannot tell the format .*'query', 'answer'.*data\.format"
     ):
         load_records(str(path))
     with pytest.raises(DataError, match=r"Fix: data\.columns\.prompt=<one of the columns found>"):
@@ -466,7 +466,7 @@ def test_missing_column_errors_suggest_the_mapping(tmp_path):
     with pytest.raises(ConfigError, match="did you mean 'preference'"):
         load_records(str(path), format="preferences")
     with pytest.raises(ConfigError, match="data.columns.promt \\(did you mean 'prompt'\\?\\)"):
-        load_records(str(path), columns={"promt": "question"})
+        load_records(str(path), columns={"promt": "query"})
 
 
 # --------------------------------------------------------------------------- HH-RLHF (real file)

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import t2v_data
 import torch
-from conftest import RunResult, launch
+from conftest import RunResult, launch, run_inline
 from safetensors.torch import load_file
 
 from align_anything.families.text_to_video import motion
@@ -38,7 +38,7 @@ UNET3D, WAN = "tiny-random-t2v-unet3d", "tiny-random-wan"
 FRAMES = {UNET3D: 8, WAN: 9}  # Wan's causal VAE takes 4k+1 frames
 FAST = [
     "train.precision=fp32", "train.seed=7", "train.max_steps=2", "train.learning_rate=1e-3",
-    "train.lr_scheduler=constant", "train.warmup_ratio=0", "data.fps=8",
+    "train.lr_scheduler=constant", "train.warmup_ratio=0", "data.fps=8", "data.resolution=32",
     "logging.sample_prompts=[a_red_circle_moving_left]", "logging.sample_seeds=[0]",
 ]  # fmt: skip
 
@@ -71,9 +71,13 @@ def run(data: Path, tmp: pytest.TempPathFactory, name: str, task: str, preset: s
         *, lora: bool = False, nproc: int = 1, micro: int = 2) -> RunResult:  # fmt: skip
     overrides = [*args(data, task, preset, model, lora=lora),
                  f"train.per_device_batch_size={micro}"]  # fmt: skip
-    # A first z3_offload run in a fresh environment compiles DeepSpeed's CPU Adam (minutes).
-    return launch(overrides, tmp.mktemp(name) / "run", launcher="deepspeed" if nproc > 1 else
-                  "python", nproc=nproc, timeout_s=600).check()  # fmt: skip
+    # One rank runs in this process (what a run computes and writes is tested, not how a
+    # process behaves); two ranks through the deepspeed launcher. A first z3_offload run in a
+    # fresh environment compiles DeepSpeed's CPU Adam (minutes).
+    if nproc == 1:
+        return run_inline(overrides, tmp.mktemp(name) / "run").check()
+    return launch(overrides, tmp.mktemp(name) / "run", launcher="deepspeed", nproc=nproc,
+                  timeout_s=600).check()  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +166,7 @@ def test_every_preset_ran_its_stage_and_logged_finite_losses(
     for result in (sft_z3_offload_lora, dpo_z3_offload):
         assert "offload" in result.output and "cpu" in result.summary_line("ds config")
     assert "partitioned ZeRO-3 inference engine" in dpo_z3_offload.summary_line("reference")
-    assert "8x8x16x16" in sft_z0.summary_line("resolution")  # [C, F, h, w] per clip
+    assert "4x8x16x16" in sft_z0.summary_line("resolution")  # [C, F, h, w] per clip
     assert "16x3x4x4" in sft_z3.summary_line("resolution")  # Wan: 9 frames -> 3 latent frames
 
 
@@ -243,8 +247,16 @@ def test_unet3d_adapters_are_saved_and_merged(
     two = load_file(
         str(dpo_z3_lora_2ranks.output_dir / "final" / "pytorch_lora_weights.safetensors")
     )
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-5)
+    # Adam's first steps move each weight by about lr (1e-3) whatever its gradient's size, so
+    # a near-zero gradient summed in another order (2 ranks) may move a weight by up to a step
+    # differently. The adapters as a whole must agree to 1% (an adapter initialised otherwise
+    # differs by ~100%), every A matrix (initialised from train.seed) to a step.
+    assert one.keys() == two.keys()
+    diff = sum(float((two[k] - one[k]).double().square().sum()) for k in one)
+    norm = sum(float(one[k].double().square().sum()) for k in one)
+    assert diff**0.5 <= 0.01 * norm**0.5
+    for key in (k for k in one if "lora.down" in k):
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=2e-3)
 
 
 def test_the_motion_check_reads_the_drawn_clips() -> None:

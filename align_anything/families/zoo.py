@@ -162,11 +162,14 @@ def resolve_model_path(name_or_path: str, *, key: str = "model.name_or_path") ->
         return str(_shipped(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if not _complete(path):
+        # A LoRA adapter folder (final/ of a LoRA run) is a model too: `score` and `export`
+        # apply it to its base.
+        if not (_complete(path) or (path / "adapter_config.json").exists()):
             raise ModelError(
                 f"{key}={name_or_path!r}: folder has no config.json "
-                "(expected a Hugging Face model folder, e.g. output_dir/final) and no "
-                "model_index.json (a diffusers pipeline folder)"
+                "(expected a Hugging Face model folder, e.g. output_dir/final), no "
+                "model_index.json (a diffusers pipeline folder) and no adapter_config.json "
+                "(a LoRA adapter)"
             )
         return str(path)
     if names_a_missing_folder(name_or_path):

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from align_anything.backend import distributed as comm
 from align_anything.backend import ds_config as dsc
@@ -373,7 +374,11 @@ def build_denoiser(
     lines = []
     adapters = cfg.model.lora.adapters()
     if adapters:
-        diffusion.add_denoiser_adapters(denoiser, kind=info.kind, **adapters)
+        # The adapter's A matrices drawn from train.seed alone: loading (partitioned under
+        # ZeRO-3 or not) draws differently, and every stage and world size must start alike.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.train.seed)
+            diffusion.add_denoiser_adapters(denoiser, kind=info.kind, **adapters)
         lines.append(f"  lora            {adapter_summary(denoiser)}")
     if cfg.speed.gradient_checkpointing:
         denoiser.enable_gradient_checkpointing()

@@ -239,8 +239,11 @@ def configure(cfg: Any, info: Any) -> Medium:
     rate = f"{sampling.fps:g} fps" if sampling.fps else "consecutive frames"
     return replace(
         VIDEOS,
-        read_source=lambda path, kind, columns: read_video_source(path, kind, sampling,
-                                                                   columns=columns),
+        # data.max_image_pixels guards image files; clips (and frame folders, under Pillow's
+        # own limit) are read frame by frame at the size the sampler keeps.
+        read_source=lambda path, kind, columns, _max_pixels: read_video_source(
+            path, kind, sampling, columns=columns
+        ),
         key_parts=lambda source, resolution, encoder, columns: latent_key_parts(
             source, resolution=resolution, sampling=sampling, encoder=encoder, columns=columns
         ),
