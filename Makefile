@@ -5,6 +5,7 @@
 #   make train-grpo  set up, then run GRPO on the built-in model and prompts
 #   make train-ppo   set up, then run the RLHF pipeline: SFT -> reward model -> PPO
 #   make train-t2i   set up, then run Diffusion-DPO on the built-in text-to-image model and pairs
+#   make train-t2i-rl  set up, then run online RL (DiffusionNFT) of the built-in flow-matching model
 #   make train-t2v   set up, then run Diffusion-DPO on the built-in text-to-video model and pairs
 # and for the vLLM rollout backend (rollout.backend=vllm), its own environment:
 #   make vllm    .venv-vllm: vLLM, its pins and this package (`make test` then runs its tests too)
@@ -24,7 +25,7 @@ PY := $(VENV)/bin/python
 # ~/.cache/torch_extensions rebuilt each other's ops whenever the other had built them last.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup train train-grpo train-ppo train-t2i train-t2v test test-fast lint bench clean lock vllm
+.PHONY: setup train train-grpo train-ppo train-t2i train-t2i-rl train-t2v test test-fast lint bench clean lock vllm
 
 setup: $(VENV)/.installed
 
@@ -88,6 +89,22 @@ train-t2i: setup
 	ok = b <= 0.5 and a >= 0.8; verdict = "PASS" if ok else "FAIL"; \
 	print(f"held-out colour check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.80 after)"); \
 	sys.exit(0 if ok else 1)' $(T2I_RUN_DIR)/summary.json
+
+# The text-to-image online RL main job (docs/tasks/image-rl.md): DiffusionNFT of the built-in
+# tiny-t2i-shapes-flow (the flow-matching sibling of tiny-t2i-shapes, the same colour confusion)
+# on the built-in prompts, rewarded by the colour rule itself (align_anything.rewards:shape_colour),
+# checked like train-t2i on the same 32 held-out captions and seeds.
+T2I_RL_RUN_DIR ?= outputs/t2i-rl-$(shell date +%Y%m%d-%H%M%S)
+T2I_RL_ARGS := task=diffusion_nft deepspeed=z2 model.name_or_path=tiny-t2i-shapes-flow \
+	train.learning_rate=2e-3
+
+train-t2i-rl: setup
+	$(PY) -m align_anything.train $(T2I_RL_ARGS) output_dir=$(T2I_RL_RUN_DIR)
+	@$(PY) -c 'import json, sys; e = json.load(open(sys.argv[1]))["evaluations"]; \
+	b, a = e["before"]["eval/image_check"], e["after"]["eval/image_check"]; \
+	ok = b <= 0.5 and a >= 0.8; verdict = "PASS" if ok else "FAIL"; \
+	print(f"held-out colour check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.80 after)"); \
+	sys.exit(0 if ok else 1)' $(T2I_RL_RUN_DIR)/summary.json
 
 # The text-to-video main job (docs/text-to-video.md): Diffusion-DPO of the built-in tiny-t2v-shapes
 # (a UNet-3D text-to-video pipeline that moves shapes the wrong way) on the built-in pairs, whose
