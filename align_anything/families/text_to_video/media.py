@@ -239,8 +239,11 @@ def configure(cfg: Any, info: Any) -> Medium:
     rate = f"{sampling.fps:g} fps" if sampling.fps else "consecutive frames"
     return replace(
         VIDEOS,
-        read_source=lambda path, kind, columns: read_video_source(path, kind, sampling,
-                                                                   columns=columns),
+        # `max_pixels` (data.max_image_pixels) is the image files' guard, not applied here:
+        # video frames come from PyAV, frame folders from Pillow under its own default guard.
+        read_source=lambda path, kind, columns, max_pixels: read_video_source(
+            path, kind, sampling, columns=columns
+        ),
         key_parts=lambda source, resolution, encoder, columns: latent_key_parts(
             source, resolution=resolution, sampling=sampling, encoder=encoder, columns=columns
         ),
