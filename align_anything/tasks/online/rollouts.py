@@ -55,14 +55,9 @@ from align_anything import atomic
 from align_anything.backend import distributed as comm
 from align_anything.data.media import MEDIA_KEYS
 from align_anything.errors import UserError
-from align_anything.families.language import reference
+from align_anything.families.language import layouts, reference
 from align_anything.families.language.encode import IGNORE_INDEX
 from align_anything.families.language.family import completion_only_logits, fresh_model_loader
-from align_anything.families.language.layouts import (
-    mask_dtype,
-    supports_shared_media_prompt,
-    supports_shared_prompt,
-)
 from align_anything.generation.rollout import (
     Completions,
     GenerationBackend,
@@ -581,7 +576,9 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
     # whose images enter at their placeholders (the prompt's images then run once too).
     config = policy.module.config
     share_prefix = cfg.speed.share_prefix and (
-        supports_shared_prompt(config) if media is None else supports_shared_media_prompt(config)
+        layouts.supports_shared_prompt(config)
+        if media is None
+        else layouts.supports_shared_media_prompt(config)
     )
     if share_prefix:
         run.summary.append(
@@ -594,7 +591,7 @@ def build_online(run: Run, algorithm: Algorithm) -> tuple[OnlineRL, Rollouts]:
         tokenizer=run.model.tokenizer, media=media, eval_rows=run.data.eval,
         eval_path=cfg.data.eval_path or cfg.data.path,
         completion_only=completion_only_logits(cfg, policy), share_prefix=share_prefix,
-        mask_dtype=mask_dtype(policy.module), rank=run.dist.rank, world=run.dist.world_size,
+        mask_dtype=layouts.mask_dtype(policy.module), rank=run.dist.rank, world=run.dist.world_size,
         name=cfg.task,
         eval_off=f"{cfg.task}.eval_samples=0 switches the held-out evaluation off"
         if rl.eval_samples == 0 else None,
