@@ -533,3 +533,24 @@ def check_margins(records: Iterable[Mapping[str, Any]], column: str, source: str
         f"number there: {'; '.join(parts)} (line and row numbers of the file, from 1). Margins "
         "must be finite numbers such as 0.5: fix those rows, or set rm.margin_column=null"
     )
+
+
+def pick_column(names: Sequence[str], canonical: str, tried: Sequence[str],
+                columns: Mapping[str, str], where: str) -> str:  # fmt: skip
+    """The column of a media table (the pipeline families' images and clips) that stands for
+    `canonical`: the one `data.columns` maps it to, else the first of `tried` the table has; a
+    DataError naming the columns found otherwise."""
+    if canonical in columns:
+        if columns[canonical] not in names:
+            raise DataError(
+                f"{where} has no column '{columns[canonical]}' (set by data.columns."
+                f"{canonical}); columns found: {', '.join(names)}"
+            )
+        return columns[canonical]
+    for name in tried:
+        if name in names:
+            return name
+    raise DataError(
+        f"{where} has no {canonical} column (tried {', '.join(repr(t) for t in tried)}); "
+        f"columns found: {', '.join(names)}. Map one with data.columns.{canonical}=NAME"
+    )

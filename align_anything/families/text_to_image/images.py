@@ -37,14 +37,14 @@ laid on white.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from align_anything.data.formats import DataReport
+from align_anything.data.formats import DataReport, pick_column
 from align_anything.data.media import MAX_IMAGE_PIXELS, MediaUnreadable, load_image, probe_image
 from align_anything.errors import DataError
 
@@ -181,24 +181,6 @@ def _image_ref(value: Any, *, base: Path, table: Any, row: int, column: str) -> 
     return f"no image in column '{column}' (a path or embedded bytes)"
 
 
-def _pick_column(names: Sequence[str], canonical: str, tried: Sequence[str],
-                 columns: Mapping[str, str], where: str) -> str:  # fmt: skip
-    if canonical in columns:
-        if columns[canonical] not in names:
-            raise DataError(
-                f"{where} has no column '{columns[canonical]}' (set by data.columns."
-                f"{canonical}); columns found: {', '.join(names)}"
-            )
-        return columns[canonical]
-    for name in tried:
-        if name in names:
-            return name
-    raise DataError(
-        f"{where} has no {canonical} column (tried {', '.join(repr(t) for t in tried)}); "
-        f"columns found: {', '.join(names)}. Map one with data.columns.{canonical}=NAME"
-    )
-
-
 def _table(path: str) -> tuple[Any, Any, list[Path], Path]:
     """(Arrow table, row names, files, base folder for relative image paths) of a data file or
     folder of data files, through `sources.load_dataset`."""
@@ -257,10 +239,8 @@ def _read_table_captioned(path: str, columns: Mapping[str, str], max_pixels: int
                           ) -> ImageSource:  # fmt: skip
     table, names, files, base = _table(path)
     where = f"data file {files[0]}" if len(files) == 1 else f"data {path}"
-    image_col = _pick_column(
-        table.column_names, "image", CAPTIONED_COLUMNS["image"], columns, where
-    )
-    caption_col = _pick_column(
+    image_col = pick_column(table.column_names, "image", CAPTIONED_COLUMNS["image"], columns, where)
+    caption_col = pick_column(
         table.column_names, "caption", CAPTIONED_COLUMNS["caption"], columns, where
     )
     images = _values(table, image_col) if _is_path_column(table, image_col) else None
@@ -405,7 +385,7 @@ def read_preference_pairs(
     columns = dict(columns or {})
     table, names, files, base = _table(path)
     where = f"data file {files[0]}" if len(files) == 1 else f"data {path}"
-    picked = {c: _pick_column(table.column_names, c, tried, columns, where)
+    picked = {c: pick_column(table.column_names, c, tried, columns, where)
               for c, tried in PAIR_COLUMNS.items()}  # fmt: skip
     captions = _values(table, picked["caption"])
     labels = _values(table, picked["label_0"])

@@ -27,6 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from align_anything.families.diffusion.tiny_text import word_tokenizer_files
 from align_anything.families.text_to_image.shapes import COLOURS, IMAGE_SIZE, SHAPES
 
 NAME = "tiny-t2i-shapes"
@@ -43,28 +44,9 @@ VOCAB_WORDS: tuple[str, ...] = ("a", "an", "the", *COLOURS, *SHAPES)
 def tokenizer_files(
     words: tuple[str, ...] = VOCAB_WORDS,
 ) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """(vocab, merges) of a CLIP BPE tokenizer in which each of `words` is one token.
-
-    Hand-written because no library builds a BPE from a word list without training one: the
-    vocabulary is the two special tokens, every lowercase letter with and without CLIP's
-    end-of-word mark `</w>`, and each word's suffixes. Each word's merges join its letters right
-    to left ("e" + "d</w>" -> "ed</w>", then "r" + "ed</w>"), so every merge's right part ends
-    in `</w>`: inside a word only the pair at its end can ever merge, and each listed word
-    comes out whole whatever the order of the merges."""
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    vocab: dict[str, int] = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for token in letters + [f"{letter}</w>" for letter in letters]:
-        vocab.setdefault(token, len(vocab))
-    merges: list[tuple[str, str]] = []
-    for word in words:
-        suffix = f"{word[-1]}</w>"
-        for letter in reversed(word[:-1]):
-            merge = (letter, suffix)
-            suffix = letter + suffix
-            if merge not in merges:
-                merges.append(merge)
-            vocab.setdefault(suffix, len(vocab))
-    return vocab, merges
+    """(vocab, merges) of a CLIP BPE tokenizer in which each of `words` is one token
+    (`tiny_text.word_tokenizer_files`, which the text-to-video model's tokenizer shares)."""
+    return word_tokenizer_files(words)
 
 
 def build_tokenizer() -> Any:

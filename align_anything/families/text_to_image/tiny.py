@@ -6,7 +6,7 @@ pipeline folder, so every process and ZeRO stage starts from the very same numbe
 32×32 pixels (a VAE with two blocks: 16×16 latents); each denoiser has a few hundred thousand
 parameters or fewer, each pipeline builds in about a second.
 
-Tokenizers are built here, offline: a CLIP BPE tokenizer over the 256 byte symbols (each with
+Tokenizers and text encoders come from `families/diffusion/tiny_text.py`, built offline: a CLIP BPE tokenizer over the 256 byte symbols (each with
 and without CLIP's end-of-word mark, no merges: one token per character) and a T5 unigram
 tokenizer over letters, digits and a little punctuation. Real tokenizers, tiny vocabularies.
 
@@ -21,63 +21,20 @@ tokenizer over letters, digits and a little punctuation. Real tokenizers, tiny v
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from align_anything.families.diffusion import tiny_text
+from align_anything.families.diffusion.tiny_text import (
+    CLIP_WIDTH,
+    T5_WIDTH,
+    clip_tokenizer,
+    t5_tokenizer,
+)
+
 IMAGE_SIZE = 32
-CLIP_VOCAB = 514  # 256 byte symbols, the same with "</w>", start and end of text
-CLIP_WIDTH = 32
-T5_WIDTH = 32
-T5_MAX_LENGTH = 32
-
-
-def clip_tokenizer() -> Any:
-    """A real CLIP tokenizer with a tiny vocabulary: one token per character."""
-    from tokenizers import pre_tokenizers
-    from transformers import CLIPTokenizer
-
-    symbols = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {s: i for i, s in enumerate(symbols)}
-    vocab.update({f"{s}</w>": len(symbols) + i for i, s in enumerate(symbols)})
-    vocab["<|startoftext|>"] = len(vocab)
-    vocab["<|endoftext|>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-
-
-def t5_tokenizer() -> Any:
-    """A real T5 (unigram) tokenizer over letters, digits and some punctuation."""
-    from transformers import T5Tokenizer
-
-    symbols = string.ascii_letters + string.digits + ",.-'"
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [(f"▁{c}", -2.5) for c in symbols] + [(c, -3.0) for c in symbols]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=T5_MAX_LENGTH)
-
-
-def _clip(*, projection: bool) -> Any:
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    config = CLIPTextConfig(
-        vocab_size=CLIP_VOCAB, hidden_size=CLIP_WIDTH, intermediate_size=2 * CLIP_WIDTH,
-        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
-        bos_token_id=CLIP_VOCAB - 2, eos_token_id=CLIP_VOCAB - 1, pad_token_id=CLIP_VOCAB - 1,
-        projection_dim=CLIP_WIDTH,
-    )  # fmt: skip
-    return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
-
-
-def _t5() -> Any:
-    from transformers import T5Config, T5EncoderModel
-
-    config = T5Config(
-        vocab_size=len(t5_tokenizer()), d_model=T5_WIDTH, d_kv=16, d_ff=2 * T5_WIDTH,
-        num_layers=2, num_heads=2, relative_attention_num_buckets=8, pad_token_id=0,
-        eos_token_id=1, decoder_start_token_id=0,
-    )  # fmt: skip
-    return T5EncoderModel(config)
 
 
 def _vae(*, flow: bool) -> Any:
@@ -137,7 +94,7 @@ def build_tiny_sd(target: Path, *, prediction_type: str = "epsilon") -> None:
 
     torch.manual_seed(0 if prediction_type == "epsilon" else 1)
     pipe = StableDiffusionPipeline(
-        vae=_vae(flow=False), text_encoder=_clip(projection=False), tokenizer=clip_tokenizer(),
+        vae=_vae(flow=False), text_encoder=tiny_text.clip_text_encoder(projection=False), tokenizer=clip_tokenizer(),
         unet=_unet(xl=False), scheduler=_ddpm_style_scheduler(prediction_type),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
     )  # fmt: skip
@@ -154,8 +111,8 @@ def build_tiny_sdxl(target: Path) -> None:
 
     torch.manual_seed(2)
     pipe = StableDiffusionXLPipeline(
-        vae=_vae(flow=False), text_encoder=_clip(projection=False),
-        text_encoder_2=_clip(projection=True), tokenizer=clip_tokenizer(),
+        vae=_vae(flow=False), text_encoder=tiny_text.clip_text_encoder(projection=False),
+        text_encoder_2=tiny_text.clip_text_encoder(projection=True), tokenizer=clip_tokenizer(),
         tokenizer_2=clip_tokenizer(), unet=_unet(xl=True),
         scheduler=_ddpm_style_scheduler("epsilon", euler=True),
     )  # fmt: skip
@@ -178,9 +135,9 @@ def build_tiny_sd3(target: Path) -> None:
     )  # fmt: skip
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_vae(flow=True), text_encoder=_clip(projection=True), tokenizer=clip_tokenizer(),
-        text_encoder_2=_clip(projection=True), tokenizer_2=clip_tokenizer(),
-        text_encoder_3=_t5(), tokenizer_3=t5_tokenizer(),
+        vae=_vae(flow=True), text_encoder=tiny_text.clip_text_encoder(projection=True), tokenizer=clip_tokenizer(),
+        text_encoder_2=tiny_text.clip_text_encoder(projection=True), tokenizer_2=clip_tokenizer(),
+        text_encoder_3=tiny_text.t5_text_encoder(), tokenizer_3=t5_tokenizer(),
     )  # fmt: skip
     _save(pipe, target)
 
@@ -201,8 +158,8 @@ def build_tiny_flux(target: Path) -> None:
         base_image_seq_len=256, max_image_seq_len=4096,
     )  # fmt: skip
     pipe = FluxPipeline(
-        scheduler=scheduler, vae=_vae(flow=True), text_encoder=_clip(projection=False),
-        tokenizer=clip_tokenizer(), text_encoder_2=_t5(), tokenizer_2=t5_tokenizer(),
+        scheduler=scheduler, vae=_vae(flow=True), text_encoder=tiny_text.clip_text_encoder(projection=False),
+        tokenizer=clip_tokenizer(), text_encoder_2=tiny_text.t5_text_encoder(), tokenizer_2=t5_tokenizer(),
         transformer=transformer,
     )  # fmt: skip
     _save(pipe, target)

@@ -41,14 +41,14 @@ and each row ("line 3" of a JSON-lines file, "row 3" otherwise, the file's path 
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from align_anything.data.formats import DataReport
+from align_anything.data.formats import DataReport, pick_column
 from align_anything.errors import DataError
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".gif", ".mkv", ".mov", ".avi", ".m4v")
@@ -340,24 +340,6 @@ def _cell(table: Any, column: str, index: int) -> Any:
     return value.as_py()
 
 
-def _pick_column(names: Sequence[str], canonical: str, tried: Sequence[str],
-                 columns: Mapping[str, str], where: str) -> str:  # fmt: skip
-    if canonical in columns:
-        if columns[canonical] not in names:
-            raise DataError(
-                f"{where} has no column '{columns[canonical]}' (set by data.columns."
-                f"{canonical}); columns found: {', '.join(names)}"
-            )
-        return columns[canonical]
-    for name in tried:
-        if name in names:
-            return name
-    raise DataError(
-        f"{where} has no {canonical} column (tried {', '.join(repr(t) for t in tried)}); "
-        f"columns found: {', '.join(names)}. Map one with data.columns.{canonical}=NAME"
-    )
-
-
 def _table(path: str) -> tuple[Any, Any, list[Path], Path]:
     """(Arrow table, row names, files, base folder for relative paths) of a data file or
     folder of data files, through `data.sources.load_dataset`."""
@@ -393,9 +375,9 @@ def _read_table_captioned(path: str, columns: Mapping[str, str], sampling: Sampl
     table, names, files, table_base = _table(path)
     base = base or table_base
     where = _where(path, files)
-    video_col = _pick_column(table.column_names, "video", CAPTIONED_COLUMNS["video"], columns,
+    video_col = pick_column(table.column_names, "video", CAPTIONED_COLUMNS["video"], columns,
                              where)  # fmt: skip
-    caption_col = _pick_column(table.column_names, "caption", CAPTIONED_COLUMNS["caption"],
+    caption_col = pick_column(table.column_names, "caption", CAPTIONED_COLUMNS["caption"],
                                columns, where)  # fmt: skip
     captions = table.column(caption_col).to_pylist()
     problems, items = _Problems(where), []
@@ -502,7 +484,7 @@ def read_preference_pairs(path: str, sampling: Sampling, *,
             "(prompt_text, video_0, video_1, helpfulness) nor the generic one (prompt, chosen, "
             f"rejected); columns found: {', '.join(present)}. Map yours with data.columns"
         )
-    picked = {c: _pick_column(present, c, tried, columns, where) for c, tried in spec.items()}
+    picked = {c: pick_column(present, c, tried, columns, where) for c, tried in spec.items()}
     captions = table.column(picked["caption"]).to_pylist()
     report = DataReport(source=path)
     problems, items = _Problems(where), []
