@@ -16,11 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from align_anything.data.formats import DataReport
+from align_anything.data.formats import DataReport, pick_column
 from align_anything.families.text_to_image.images import (
     ImageSource,
     _caption,
-    _pick_column,
     _Problems,
     _table,
     _values,
@@ -65,7 +64,7 @@ def read_prompts(path: str, *, columns: Mapping[str, str] | None = None) -> Imag
     whose items are `PromptRow`s (no images); a `DataError` naming each bad row."""
     table, names, files, _ = _table(path)
     where = f"data file {files[0]}" if len(files) == 1 else f"data {path}"
-    prompt_column = _pick_column(
+    prompt_column = pick_column(
         table.column_names, "caption", PROMPT_COLUMNS, dict(columns or {}), where
     )
     kept = [
