@@ -13,9 +13,9 @@ TIMESTEP_SAMPLING = ("uniform", "logit_normal", "mode")  # forward_diffusion.TIM
 DIFFUSION_DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo")  # losses.DIFFUSION_DPO_LOSS_TYPES
 
 
-class _Diffusion(_Section):
-    """What the text-to-image tasks share: the noise levels drawn in training (flow-matching
-    families), and the images drawn for people to look at and for the held-out check."""
+class _TrainingNoise(_Section):
+    """The noise levels drawn in training (flow-matching families): the pipeline tasks' and
+    DiffusionNFT's forward-noised samples."""
 
     timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
         description="Flow-matching families (SD3, Flux): the density of training noise levels, as diffusers' weighting_scheme: uniform, logit_normal (the SD3 paper's) or mode. SD 1.x/2.x and SDXL draw timesteps uniformly.",
@@ -23,6 +23,12 @@ class _Diffusion(_Section):
     logit_mean: float = Field(description="logit_normal: the mean of the normal.")
     logit_std: float = Field(gt=0.0, description="logit_normal: the standard deviation.")
     mode_scale: float = Field(description="mode: the scale of the mode density.")
+
+
+class _Diffusion(_TrainingNoise):
+    """What the text-to-image tasks share: the noise levels drawn in training (flow-matching
+    families), and the images drawn for people to look at and for the held-out check."""
+
     flux_guidance: float = Field(
         gt=0.0,
         description="Flux with a guidance embedding (guidance-distilled): the guidance value the transformer is given in training (diffusers' DreamBooth script: 3.5).",

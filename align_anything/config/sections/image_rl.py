@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field
 
 from align_anything.config.sections.base import _Section
+from align_anything.config.sections.diffusion import _TrainingNoise
 
 IMAGE_RL_SCALE_REWARDS = ("group", "batch", "none")  # losses.SCALE_REWARDS
 
@@ -112,7 +113,7 @@ class DanceGRPOSection(_StepGRPO):
     )
 
 
-class DiffusionNFTSection(_ImageRL):
+class DiffusionNFTSection(_ImageRL, _TrainingNoise):
     beta: float = Field(
         gt=0.0,
         description="DiffusionNFT's beta: v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v (its implicit positive and negative policies).",
@@ -126,9 +127,3 @@ class DiffusionNFTSection(_ImageRL):
         ge=0.0,
         description="Noise of the rollout sampler (DiffusionNFT needs no likelihood, so any sampler): a of the flow SDE or DDIM's eta; 0: the deterministic ODE sampler.",
     )
-    timestep_sampling: Literal["uniform", "logit_normal", "mode"] = Field(
-        description="Flow-matching pipelines: the density of the training noise levels of the forward-noised samples, as diffusion_sft's (SD-style UNets: uniform over the training timesteps).",
-    )
-    logit_mean: float = Field(description="logit_normal: the mean of the normal.")
-    logit_std: float = Field(gt=0.0, description="logit_normal: the standard deviation.")
-    mode_scale: float = Field(description="mode: the scale of the mode density.")
