@@ -11,7 +11,9 @@ hits every variant alike, and the tables show medians over the repeats.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -27,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout, with or without an installed package
 
 from align_anything.data.builtin import builtin_path  # noqa: E402
+from align_anything.data.convert import parse_hh  # noqa: E402
 from align_anything.training.batching import step_indices  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -34,6 +37,15 @@ SEED = 42
 TRL_CHILD = Path(__file__).resolve().parent / "trl_child.py"
 # Children must not inherit a launcher's rank variables, nor reach the hub.
 DIST_ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+# The long rows: HH-RLHF harmless-base test conversations (the sample in tests/data when the
+# full file is absent).
+HH_FULL = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
+HH_SAMPLE = REPO_ROOT / "tests" / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"
+# --rows: the built-in arithmetic rows (short) or the HH-RLHF conversations (long), and the
+# max_length each runs at unless --max-length is given.
+ROW_SETS = {"arith": 128, "hh": 512}
+MIN_USER_TURNS = 2  # a long row's prompt is a multi-turn conversation
+MATMUL_SIZE = 2048
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -87,6 +99,69 @@ def conversation_rows(name: str, count: int) -> list[dict[str, Any]]:
     return [{"messages": r["messages"]} for r in rows]
 
 
+def hh_pairs(path: Path) -> list[dict[str, Any]]:
+    """The file's pairs as message lists; pairs whose two transcripts disagree on the prompt
+    (a few HH rows) are left out, as both trainers would treat them differently."""
+    pairs = []
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            prompt, chosen = parse_hh(row["chosen"])
+            other, rejected = parse_hh(row["rejected"])
+            if prompt != other or not prompt or prompt[-1]["role"] != "user":
+                continue
+            pairs.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
+                          "rejected": [{"role": "assistant", "content": rejected}]})  # fmt: skip
+    return pairs
+
+
+def user_turns(messages: list[dict[str, Any]]) -> int:
+    return sum(m["role"] == "user" for m in messages)
+
+
+def long_pairs(
+    count: int, *, max_length: int, model: str = MODEL, source: Path | None = None
+) -> list[dict[str, Any]]:
+    """The long rows, one selection for every task: the first `count` HH-RLHF harmless-base
+    pairs in file order whose prompt is a multi-turn conversation (at least MIN_USER_TURNS user
+    turns), whose two answers differ, and whose prompt + longer answer fits `max_length` tokens
+    in align_anything's encoding (so neither trainer drops or truncates one). Deterministic: no
+    sampling, the same rows on every run."""
+    from align_anything.families.language.encode import encode_preference
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
+
+    source = source or (HH_FULL if HH_FULL.exists() else HH_SAMPLE)
+    tokenizer = load_tokenizer(resolve_model_path(model))
+    chosen = []
+    for pair in hh_pairs(source):
+        if user_turns(pair["prompt"]) < MIN_USER_TURNS or pair["chosen"] == pair["rejected"]:
+            continue
+        encoded, _ = encode_preference([pair], tokenizer, max_length=max_length)
+        if encoded:
+            chosen.append(pair)
+            if len(chosen) == count:
+                return chosen
+    raise SystemExit(
+        f"{source} has {len(chosen)} multi-turn pairs within {max_length} tokens, not {count}"
+    )
+
+
+def long_conversations(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """SFT's long rows: each pair's prompt + chosen answer as one conversation."""
+    return [{"messages": p["prompt"] + p["chosen"]} for p in pairs]
+
+
+def long_unpaired(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """KTO's long rows: pair k's chosen answer as a desirable row when k is even, its rejected
+    answer as an undesirable one when k is odd (every prompt once, half of each label)."""
+    return [
+        {"prompt": p["prompt"], "completion": p["chosen" if k % 2 == 0 else "rejected"],
+         "label": k % 2 == 0}
+        for k, p in enumerate(pairs)
+    ]  # fmt: skip
+
+
 def as_prompt_completion(row: dict[str, Any]) -> dict[str, Any]:
     """A single-turn conversation as TRL's conversational prompt-completion record."""
     *prompt, completion = row["messages"]
@@ -118,6 +193,69 @@ def encoded_in_order(
     if len(encoded) != len(rows):
         raise SystemExit(f"rows were dropped at max_length={max_length}: {data_report.summary()}")
     return encoded, training_order(len(rows), batch=batch, steps=steps)
+
+
+def parameter_count(model_path: str | Path) -> int:
+    """N: the parameters stored in a model folder's safetensors files, read from their headers
+    (a tied embedding and LM head is stored, and counted, once)."""
+    total = 0
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"no *.safetensors in {model_path}: cannot count the model's parameters")
+    for file in files:
+        with open(file, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        total += sum(math.prod(t["shape"]) for k, t in header.items() if k != "__metadata__")
+    return total
+
+
+def model_gflops(params: int, tokens: int, seconds: float) -> float:
+    """Achieved GFLOP/s by the 6·N·tokens rule (forward 2·N, backward 4·N per token)."""
+    return 6 * params * tokens / seconds / 1e9
+
+
+def matmul_gflops(threads: int | None, *, size: int = MATMUL_SIZE, repeats: int = 7) -> float:
+    """The machine's fp32 matmul rate: the best of `repeats` timed size × size `torch.mm` at
+    `threads` threads (torch's default when None, as the child runs get), after a warm-up."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
+@dataclass
+class Rates:
+    """What the GFLOP/s columns need: N, and the matmul rate measured in this invocation."""
+
+    params: int
+    matmul_gflops: float
+    threads: int
+
+
+def step_tokens(row_tokens: list[int], *, batch: int) -> list[int]:
+    """Tokens per optimizer step, from the rows' tokens in training order."""
+    return [sum(row_tokens[i : i + batch]) for i in range(0, len(row_tokens), batch)]
+
+
+def steady_seconds(record: RunRecord) -> float:
+    """Seconds of a steady step: the median of steps 2..N (step 1 when there is one)."""
+    return median(record.step_seconds[1:] or record.step_seconds)
+
+
+def steady_gflops(record: RunRecord, per_step: list[int], params: int) -> float:
+    """GFLOP/s over steps 2..N (step 1 alone when there is one): their tokens, their time."""
+    first = 1 if len(record.step_seconds) > 1 else 0
+    seconds = sum(record.step_seconds[first:])
+    return model_gflops(params, sum(per_step[first : len(record.step_seconds)]), seconds)
 
 
 @dataclass
@@ -238,17 +376,27 @@ def summary_table(
     tokens: int,
     ours: str,
     metrics: list[tuple[str, str]],
+    rates: Rates | None = None,
+    per_step: list[int] | None = None,
 ) -> str:
-    """A markdown table: medians per variant, and ours/variant ratios of throughput and memory.
-    `metrics` maps a column title to (ours key, TRL key) of a logged step-1 figure."""
-    header = ["variant", "steps/s", "tokens/s", "peak RSS MiB", "speed ours/this", "RSS ours/this"]
+    """A markdown table: medians per variant, ours/variant ratios of throughput (over the whole
+    training time, and per steady step) and memory, and with `rates` the achieved GFLOP/s by
+    6·N·tokens (over the training time, and over steps 2..N from `per_step` tokens) as a share
+    of the measured matmul rate. `metrics` maps a column title to the key of a logged step-1
+    figure."""
+    header = ["variant", "steps/s", "tokens/s", "peak RSS MiB", "speed ours/this", "RSS ours/this",
+              "steady step ours/this"]  # fmt: skip
+    if rates:
+        header += ["GFLOP/s", "% of matmul", "steady GFLOP/s", "steady % of matmul"]
     header += [title for title, _ in metrics]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     ours_seconds = median([r.seconds for r in records[ours]])
     ours_rss = median([r.peak_rss_mib for r in records[ours]])
+    ours_steady = median([steady_seconds(r) for r in records[ours]])
     for name, runs in records.items():
         seconds = median([r.seconds for r in runs])
         rss = median([r.peak_rss_mib for r in runs])
+        steady = median([steady_seconds(r) for r in runs])
         row = [
             name,
             f"{steps / seconds:.4f}",
@@ -256,11 +404,40 @@ def summary_table(
             f"{rss:.0f}",
             "—" if name == ours else f"{seconds / ours_seconds:.2f}×",
             "—" if name == ours else f"{ours_rss / rss:.2f}",
+            "—" if name == ours else f"{steady / ours_steady:.2f}×",
         ]
+        if rates:
+            run_rate = model_gflops(rates.params, tokens, seconds)
+            row += [f"{run_rate:.1f}", f"{run_rate / rates.matmul_gflops:.0%}"]
+            if per_step:
+                rate = median([steady_gflops(r, per_step, rates.params) for r in runs])
+                row += [f"{rate:.1f}", f"{rate / rates.matmul_gflops:.0%}"]
+            else:
+                row += ["—", "—"]
         for _, key in metrics:
             row.append(f"{runs[0].first_step.get(key, float('nan')):.6f}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def against_trl(records: dict[str, list[RunRecord]], ours: str, trl: list[str]) -> str:
+    """One line: ours against TRL's fastest configuration (by training time), both speed
+    ratios, and peak RSS against it and against TRL's defaults."""
+    if not trl:
+        return "- no TRL variant ran"
+    seconds = {name: median([r.seconds for r in records[name]]) for name in [ours, *trl]}
+    rss = {name: median([r.peak_rss_mib for r in records[name]]) for name in [ours, *trl]}
+    steady = {name: median([steady_seconds(r) for r in records[name]]) for name in [ours, *trl]}
+    fastest = min(trl, key=seconds.__getitem__)
+    line = (
+        f"- {ours} against TRL's fastest configuration here ({fastest}): "
+        f"{seconds[fastest] / seconds[ours]:.2f}× over the training time, "
+        f"{steady[fastest] / steady[ours]:.2f}× per steady step; peak RSS "
+        f"{rss[ours] / rss[fastest]:.2f}× its"
+    )
+    if "TRL defaults" in rss:
+        line += f", {rss[ours] / rss['TRL defaults']:.2f}× TRL defaults'"
+    return line
 
 
 @dataclass
@@ -277,6 +454,9 @@ class Setup:
     ours_variants: dict[str, list[str]]  # name -> extra overrides
     tokens: int  # non-padding tokens over all steps, from align_anything's encoding
     token_lengths: list[list[int]]  # per row in training order, to compare with TRL's
+    # Non-padding tokens each row puts through the model, in training order (sum: `tokens`);
+    # empty: no per-step figures.
+    row_tokens: list[int] = field(default_factory=list)
     extra_spec: dict[str, Any] = field(default_factory=dict)
     extra_overrides: list[str] = field(default_factory=list)
     model: str = MODEL  # a built-in name both sides load from the same local folder
@@ -305,11 +485,21 @@ TRL_VARIANTS: tuple[tuple[str, bool, str, dict[str, Any]], ...] = (
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, batch_help: str) -> None:
-    """The command-line options both benchmarks take."""
+def add_arguments(
+    parser: argparse.ArgumentParser, *, batch_help: str, row_sets: tuple[str, ...] = ("arith", "hh")
+) -> None:
+    """The command-line options the side-by-side benchmarks take."""
+    parser.add_argument(
+        "--rows", choices=row_sets, default=row_sets[0],
+        help="arith: the built-in arithmetic rows (short); hh: multi-turn HH-RLHF harmless-base "
+        "conversations of up to --max-length tokens (long; see common.long_pairs)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     parser.add_argument("--batch", type=int, default=8, help=batch_help)
-    parser.add_argument("--max-length", type=int, default=128)
+    parser.add_argument(
+        "--max-length", type=int, default=None,
+        help=f"tokens per sequence (default per row set: {ROW_SETS})",
+    )  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per variant")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per run")
@@ -390,7 +580,7 @@ def step_differences(
 
 def report(
     setup: Setup, records: dict[str, list[RunRecord]], metrics: list[tuple[str, str]],
-    every_step: tuple[str, ...] = (),
+    every_step: tuple[str, ...] = (), rates: Rates | None = None,
 ) -> str:  # fmt: skip
     """The table, the token-count check and the step-1 agreement (and, for `every_step` keys,
     the agreement at every step), as markdown."""
@@ -400,9 +590,19 @@ def report(
     ]
     trl_lengths = trl_runs[0].extra["token_lengths"] if trl_runs else setup.token_lengths
     same_tokens = trl_lengths == setup.token_lengths
+    per_step = step_tokens(setup.row_tokens, batch=setup.batch) if setup.row_tokens else None
     lines = [
-        summary_table(records, steps=setup.steps, tokens=setup.tokens, ours=ours, metrics=metrics),
+        summary_table(
+            records,
+            steps=setup.steps,
+            tokens=setup.tokens,
+            ours=ours,
+            metrics=metrics,
+            rates=rates,
+            per_step=per_step,
+        ),  # fmt: skip
         "",
+        against_trl(records, ours, [n for n in records if n not in setup.ours_variants]),
         f"- rows: {len(setup.trl_rows)} ({setup.steps} steps × batch {setup.batch}), "
         f"{setup.tokens} non-padding tokens over all steps; token counts per row "
         + ("identical in both trainers" if same_tokens else "DIFFER between the trainers"),
@@ -414,6 +614,17 @@ def report(
             if a != b
         ]
         lines.append(f"  - first differences (row, ours, TRL): {diffs[:5]}")
+    if rates:
+        lines.append(
+            f"- GFLOP/s = 6·N·tokens / seconds, N = {rates.params:,} parameters (the model's "
+            f"safetensors), tokens = the {setup.tokens:,} non-padding tokens of every sequence "
+            "the steps put through the policy (each prompt counted per sequence, the same count "
+            "for both trainers; not the positions a shared-prefix layout or padding adds or "
+            "saves), seconds = the training time (steady: steps 2..N and their tokens); the "
+            f"machine's fp32 matmul rate: {rates.matmul_gflops:.1f} GFLOP/s "
+            f"({MATMUL_SIZE}² torch.mm, {rates.threads} threads, best of 7, before and after "
+            "the runs, the higher)"
+        )
     for _, key in metrics:
         values = {name: runs[0].first_step.get(key) for name, runs in records.items()}
         ours_value = values[ours]
@@ -451,17 +662,33 @@ def report(
 
 def main(
     build_setup: Callable[..., Setup], metrics: list[tuple[str, str]], *, doc: str,
-    batch_help: str, every_step: tuple[str, ...] = (),
+    batch_help: str, every_step: tuple[str, ...] = (), row_sets: tuple[str, ...] = ("arith", "hh"),
+    steps: int = 3, repeats: int = 3,
 ) -> None:  # fmt: skip
-    """Command line of a side-by-side benchmark: parse, build the rows, run, print the report."""
+    """Command line of a side-by-side benchmark: parse, build the rows, measure the machine's
+    matmul rate, run, measure it again, print the report."""
+    import torch
+
+    from align_anything.families.zoo import resolve_model_path
+
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    add_arguments(parser, batch_help=batch_help)
+    add_arguments(parser, batch_help=batch_help, row_sets=row_sets)
+    parser.set_defaults(steps=steps, repeats=repeats)
     args = parser.parse_args()
     setup = build_setup(
-        steps=args.steps, batch=args.batch, max_length=args.max_length,
-        learning_rate=args.learning_rate,
+        steps=args.steps, batch=args.batch, max_length=args.max_length or ROW_SETS[args.rows],
+        learning_rate=args.learning_rate, row_set=args.rows,
     )  # fmt: skip
+    before = matmul_gflops(args.threads)
     records = run_comparison(setup, repeats=args.repeats, threads=args.threads, only=args.only)
+    after = matmul_gflops(args.threads)
+    rates = Rates(
+        params=parameter_count(resolve_model_path(setup.model)),
+        matmul_gflops=max(before, after), threads=torch.get_num_threads(),
+    )  # fmt: skip
     print()
-    print(f"load average at the end: {os.getloadavg()}")
-    print(report(setup, records, metrics, every_step))
+    print(
+        f"load average at the end: {os.getloadavg()}; fp32 matmul {before:.1f} GFLOP/s before "
+        f"the runs, {after:.1f} after ({rates.threads} threads)"
+    )
+    print(report(setup, records, metrics, every_step, rates))

@@ -29,7 +29,6 @@ libraries and tokenizer, read before the data work starts), and the ratios.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import resource
@@ -39,32 +38,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import REPO_ROOT, child_env, run_child
+from common import HH_FULL, HH_SAMPLE, REPO_ROOT, child_env, hh_pairs, run_child
 
 sys.path.insert(0, str(REPO_ROOT))
 
-from align_anything.data.convert import parse_hh
 
-HH_FULL = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
-HH_SAMPLE = REPO_ROOT / "tests" / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"
 MODEL = "smollm2-135m-instruct"
 MAX_LENGTH = 512
-
-
-def hh_pairs(path: Path) -> list[dict[str, Any]]:
-    """The file's pairs as message lists; pairs whose two transcripts disagree on the prompt
-    (a few HH rows) are left out, as both trainers would treat them differently."""
-    pairs = []
-    with gzip.open(path, "rt", encoding="utf-8") as handle:
-        for line in handle:
-            row = json.loads(line)
-            prompt, chosen = parse_hh(row["chosen"])
-            other, rejected = parse_hh(row["rejected"])
-            if prompt != other or not prompt or prompt[-1]["role"] != "user":
-                continue
-            pairs.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
-                          "rejected": [{"role": "assistant", "content": rejected}]})  # fmt: skip
-    return pairs
 
 
 def numbered(pair: dict[str, Any], number: int) -> dict[str, Any]:

@@ -7,9 +7,10 @@ RewardTrainer on identical work.
 Same model (smollm2-135m-instruct with a one-output score head, fp32 on CPU), the same pairs in
 the same order, the same batch, max_length, torch AdamW settings, constant learning rate, the
 pairwise loss −log σ(r+ − r−) without margin or centring term, the same number of optimizer
-steps, one process each. Rows: the first steps × batch HH-RLHF harmless-base test pairs
-(../shared/data; else the sample in tests/data) whose prompt + longer answer fits max_length
-in align_anything's encoding, as message lists (multi-turn prompts: the prompt is most of each
+steps, one process each. Rows: the long rows of every side-by-side benchmark
+(`common.long_pairs`): the first steps × batch HH-RLHF harmless-base test pairs (../shared/data;
+else the sample in tests/data) with a multi-turn prompt whose prompt + longer answer fits
+max_length in align_anything's encoding, as message lists (the prompt is most of each
 sequence, which is what the shared prompt saves). TRL filters out longer rows, align_anything
 drops them: neither truncates, and the script checks both tokenise every sequence alike.
 
@@ -33,41 +34,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from common import MODEL, OURS_VARIANTS, REPO_ROOT, SEED, Setup, encoded_in_order, main
-
-HH_FULL = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
-HH_SAMPLE = REPO_ROOT / "tests" / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"
+from common import MODEL, OURS_VARIANTS, SEED, Setup, encoded_in_order, long_pairs, main
 
 METRICS = [("step-1 loss", "loss"), ("step-1 margin", "margin")]
 EVERY_STEP = ("loss", "margin", "accuracy")
-
-
-def hh_pairs(path: Path) -> list[dict[str, Any]]:
-    """`data_scale.hh_pairs` (the file's pairs as message lists, those whose transcripts
-    disagree on the prompt left out), less the pairs whose two answers are equal (task=rm drops
-    them)."""
-    from data_scale import hh_pairs as all_pairs
-
-    return [p for p in all_pairs(path) if p["chosen"] != p["rejected"]]
-
-
-def fitting_pairs(count: int, *, max_length: int, source: Path | None = None) -> list[dict]:
-    """The first `count` HH pairs whose prompt + longer answer fits `max_length` tokens in
-    align_anything's encoding (so neither trainer drops or truncates any)."""
-    from align_anything.families.language.encode import encode_preference
-    from align_anything.families.language.loading import load_tokenizer
-    from align_anything.families.zoo import resolve_model_path
-
-    source = source or (HH_FULL if HH_FULL.exists() else HH_SAMPLE)
-    tokenizer = load_tokenizer(resolve_model_path(MODEL))
-    chosen = []
-    for pair in hh_pairs(source):
-        encoded, _ = encode_preference([pair], tokenizer, max_length=max_length)
-        if encoded:
-            chosen.append(pair)
-            if len(chosen) == count:
-                return chosen
-    raise SystemExit(f"{source} has {len(chosen)} pairs within {max_length} tokens, not {count}")
 
 
 def seeded_reward_model(folder: Path, *, seed: int = SEED, model: str = MODEL) -> Path:
@@ -90,12 +60,15 @@ def seeded_reward_model(folder: Path, *, seed: int = SEED, model: str = MODEL) -
 
 def build_setup(
     *, steps: int, batch: int, max_length: int, learning_rate: float, model: str = MODEL,
-    rows: list[dict] | None = None,
+    rows: list[dict] | None = None, row_set: str = "hh",
 ) -> Setup:  # fmt: skip
-    """The rows and token counts of one comparison (align_anything's encoding of them)."""
+    """The rows and token counts of one comparison (align_anything's encoding of them): the
+    long pairs (the only row set here) unless `rows` are given."""
     from align_anything.families.language.encode import encode_preference
 
-    rows = rows or fitting_pairs(steps * batch, max_length=max_length)
+    if row_set != "hh":
+        raise SystemExit(f"rm_vs_trl.py runs on the hh rows only, not {row_set!r}")
+    rows = rows or long_pairs(steps * batch, max_length=max_length)
     encoded, order = encoded_in_order(
         encode_preference, rows, max_length=max_length, batch=batch, steps=steps, model=MODEL
     )
@@ -114,6 +87,7 @@ def build_setup(
         ours_variants=OURS_VARIANTS,
         tokens=sum(sum(pair) for pair in lengths),
         token_lengths=lengths,
+        row_tokens=[sum(pair) for pair in lengths],
         extra_overrides=["rm.center_coef=0", "rm.margin_column=null"],
         model=model,
     )
@@ -126,13 +100,6 @@ def build_with_head(**kwargs: Any) -> Setup:
 
 
 if __name__ == "__main__":
-    import sys
-
-    if "--max-length" not in " ".join(sys.argv):
-        sys.argv += ["--max-length", "512"]  # the issue's row: pairs of up to 512 tokens
-    if "--steps" not in sys.argv:
-        sys.argv += ["--steps", "2"]
-    if "--repeats" not in sys.argv:
-        sys.argv += ["--repeats", "1"]
+    # The issue's job: pairs of up to 512 tokens (the hh row set's max_length), 2 steps, 1 repeat.
     main(build_with_head, METRICS, doc=__doc__, batch_help="pairs per optimizer step",
-         every_step=EVERY_STEP)  # fmt: skip
+         every_step=EVERY_STEP, row_sets=("hh",), steps=2, repeats=1)  # fmt: skip

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from common import (
-    REPO_ROOT,
+    HH_FULL,
+    HH_SAMPLE,
     Setup,
     child_env,
     child_inputs,
@@ -44,8 +45,6 @@ from common import (
     training_order,
 )
 
-HH_FILE = REPO_ROOT.parent / "shared" / "data" / "hh-rlhf-harmless-base-test.jsonl.gz"
-HH_SAMPLE = REPO_ROOT / "tests" / "data" / "hh-rlhf-harmless-base-test-sample.jsonl.gz"
 PACKED = "align_anything packed"
 UNPACKED = "align_anything unpacked"
 # Without packing and without the shared-prefix layout: every row padded to its micro-batch's
@@ -222,7 +221,7 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per variant")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per run")
-    parser.add_argument("--data", type=Path, default=HH_FILE if HH_FILE.is_file() else HH_SAMPLE)
+    parser.add_argument("--data", type=Path, default=HH_FULL if HH_FULL.is_file() else HH_SAMPLE)
     parser.add_argument("--only", default=None, help="comma-separated variants to run")
     args = parser.parse_args()
     setup = PackingSetup(

@@ -9,7 +9,7 @@ gradient_checkpointing, output_dir; beta (DPO, KTO); for DPO optionally loss_typ
 default ["sigmoid"]), loss_weights, label_smoothing and discopop_tau; for KTO desirable_weight /
 undesirable_weight and precompute_ref_log_probs; for RM, model_path is a reward model's folder
 (TRL loads it itself, as `AutoModelForSequenceClassification`); for SFT optionally completion_only_loss
-(default true), packing (TRL's BFD, padding-free) and bin_order (the packed sequences' order);
+(default true; rows may be pre-tokenised `input_ids` + `labels`, TRL's documented path), packing (TRL's BFD, padding-free) and bin_order (the packed sequences' order);
 for GRPO num_generations, max_completion_length,
 temperature, top_p, loss_type, beta, epsilon (rows: a `prompt` and the `answer` field, rewarded
 with align_anything's `arith_exact`); grpo_score scores the fixed completions of
@@ -147,11 +147,12 @@ def main(spec_path: str) -> None:
             callbacks=[timer],
         )  # fmt: skip
         encoded = trainer.train_dataset
-        # Each row's sequence and its KL sequence (the prompt with another row's completion).
+        # Each row's sequence and its KL sequence (the prompt with another row's completion),
+        # as many tokens as its collator keeps (it cuts both at max_length).
         lengths = [
             [
-                len(r["prompt_ids"]) + len(r["completion_ids"]),
-                len(r["prompt_ids"]) + len(r["KL_completion_ids"]),
+                min(len(r["prompt_ids"]) + len(r["completion_ids"]), spec["max_length"]),
+                min(len(r["prompt_ids"]) + len(r["KL_completion_ids"]), spec["max_length"]),
             ]
             for r in encoded
         ]

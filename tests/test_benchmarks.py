@@ -90,9 +90,13 @@ def test_kto_setup_pairs_kl_completions_as_both_trainers_do() -> None:
     # Row k of each batch (training order) borrows the completion of row k - 1, the first row
     # the last one's: TRL's rotation of its sequential batches.
     prompts, completions = [10, 20, 30, 40], [1, 2, 3, 4]
-    assert kto_vs_trl.kl_partner_lengths([2, 0, 3, 1], prompts, completions, batch=2) == [
-        30 + 1, 10 + 3, 40 + 2, 20 + 4,
-    ]  # fmt: skip
+    assert kto_vs_trl.kl_partner_lengths(
+        [2, 0, 3, 1], prompts, completions, batch=2, max_length=128
+    ) == [30 + 1, 10 + 3, 40 + 2, 20 + 4]
+    # Cut at max_length, as both trainers cut a KL sequence.
+    assert kto_vs_trl.kl_partner_lengths(
+        [2, 0, 3, 1], prompts, completions, batch=2, max_length=42
+    ) == [30 + 1, 10 + 3, 42, 20 + 4]
 
 
 def test_step_differences_compare_every_logged_step() -> None:
@@ -275,7 +279,7 @@ def test_zero3_one_process_ratios_are_medians_over_the_baselines() -> None:
 
 
 def test_rm_setup_takes_hh_pairs_that_fit_in_order() -> None:
-    rows = rm_vs_trl.fitting_pairs(4, max_length=512, source=rm_vs_trl.HH_SAMPLE)
+    rows = common.long_pairs(4, max_length=512, source=common.HH_SAMPLE)
     assert all(m["role"] in ("user", "assistant") for r in rows for m in r["prompt"])
     assert all(r["prompt"][-1]["role"] == "user" and r["chosen"] != r["rejected"] for r in rows)
     setup = rm_vs_trl.build_setup(steps=2, batch=2, max_length=512, learning_rate=1e-5, rows=rows)
@@ -287,7 +291,10 @@ def test_rm_setup_takes_hh_pairs_that_fit_in_order() -> None:
     # prompt's ~30 per sequence by far.
     assert setup.tokens > 4 * 2 * 60
     with pytest.raises(SystemExit, match="within 16 tokens"):
-        rm_vs_trl.fitting_pairs(1, max_length=16, source=rm_vs_trl.HH_SAMPLE)
+        common.long_pairs(1, max_length=16, source=common.HH_SAMPLE)
+    with pytest.raises(SystemExit, match="hh rows only"):
+        rm_vs_trl.build_setup(steps=2, batch=2, max_length=512, learning_rate=1e-5,
+                              row_set="arith")  # fmt: skip
 
 
 def test_rm_saved_head_loads_unchanged_in_both_loaders(tmp_path: Path) -> None:
@@ -306,3 +313,93 @@ def test_rm_saved_head_loads_unchanged_in_both_loaders(tmp_path: Path) -> None:
     assert torch.equal(ours.score.weight, theirs.score.weight)
     assert torch.equal(first.score.weight, theirs.score.weight)  # the seed decides the head
     assert float(theirs.score.weight.detach().abs().sum()) > 0
+
+
+def test_long_rows_are_the_first_multi_turn_hh_pairs_that_fit() -> None:
+    """The hh row set: in file order, every multi-turn pair with two different answers whose
+    prompt + longer answer fits, none skipped, none sampled; SFT and KTO take the same pairs."""
+    from align_anything.families.language.encode import encode_preference
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
+
+    rows = common.long_pairs(12, max_length=300, source=common.HH_SAMPLE)
+    assert rows == common.long_pairs(12, max_length=300, source=common.HH_SAMPLE)
+    tokenizer = load_tokenizer(resolve_model_path(common.MODEL))
+    expected = []
+    for pair in common.hh_pairs(common.HH_SAMPLE):
+        turns = sum(m["role"] == "user" for m in pair["prompt"])
+        fits = encode_preference([pair], tokenizer, max_length=300)[0]
+        if turns >= 2 and pair["chosen"] != pair["rejected"] and fits:
+            expected.append(pair)
+    assert rows == expected[:12]
+    assert all(common.user_turns(r["prompt"]) >= 2 for r in rows)
+    conversations = common.long_conversations(rows)
+    assert conversations[3]["messages"] == rows[3]["prompt"] + rows[3]["chosen"]
+    unpaired = common.long_unpaired(rows)
+    assert [r["label"] for r in unpaired[:4]] == [True, False, True, False]
+    assert unpaired[0]["completion"] == rows[0]["chosen"]
+    assert unpaired[1]["completion"] == rows[1]["rejected"]
+    assert unpaired[1]["prompt"] == rows[1]["prompt"]
+
+
+def test_long_row_setups_count_the_tokens_each_trainer_sees() -> None:
+    """SFT on hh rows gives TRL align_anything's own ids and labels; KTO's KL sequences are cut
+    at max_length; each setup's per-row tokens add up to its token count."""
+    sft = sft_vs_trl.build_setup(steps=2, batch=2, max_length=512, learning_rate=1e-5,
+                                 row_set="hh")  # fmt: skip
+    assert len(sft.trl_rows) == 4 and set(sft.trl_rows[0]) == {"input_ids", "labels"}
+    assert [len(r["input_ids"]) for r in sft.trl_rows] == sft.row_tokens
+    assert [sum(t != -100 for t in r["labels"]) for r in sft.trl_rows] == [
+        answer for _, answer in sft.token_lengths
+    ]
+    assert sft.tokens == sum(sft.row_tokens) and max(sft.row_tokens) <= 512
+    assert sum(sft.row_tokens) > 4 * 100  # multi-turn conversations, not arithmetic rows
+    kto = kto_vs_trl.build_setup(steps=2, batch=4, max_length=512, learning_rate=1e-5,
+                                 row_set="hh")  # fmt: skip
+    assert {r["label"] for r in kto.ours_rows} == {True, False}
+    assert all(max(pair) <= 512 for pair in kto.token_lengths)
+    assert kto.row_tokens == [sum(pair) for pair in kto.token_lengths]
+    dpo = dpo_vs_trl.build_setup(steps=1, batch=2, max_length=512, learning_rate=1e-5,
+                                 row_set="hh")  # fmt: skip
+    assert dpo.ours_rows == common.long_pairs(2, max_length=512)
+    assert dpo.tokens == sum(dpo.row_tokens)
+
+
+def test_flop_arithmetic(tmp_path: Path) -> None:
+    """6·N·tokens over the training time, and over steps 2..N with their own tokens; N read
+    from the safetensors headers (a tied embedding counted once)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"embed": torch.zeros(10, 4), "norm": torch.zeros(4)}, tmp_path / "a.safetensors")
+    save_file({"score": torch.zeros(1, 4)}, tmp_path / "b.safetensors")
+    assert common.parameter_count(tmp_path) == 40 + 4 + 4
+    with pytest.raises(SystemExit, match="no \\*.safetensors"):
+        common.parameter_count(tmp_path / "missing")
+    # 6 · 1e8 · 1000 tokens in 2 s = 300 GFLOP/s.
+    assert common.model_gflops(10**8, 1000, 2.0) == pytest.approx(300.0)
+    assert common.step_tokens([1, 2, 3, 4, 5, 6], batch=2) == [3, 7, 11]
+    record = common.RunRecord("ours", 10.0, [4.0, 3.0, 2.0], 0, 100.0, {"loss": 0.5})
+    # Steps 2..3: 18 tokens in 5 s.
+    assert common.steady_gflops(record, [3, 7, 11], 10**8) == pytest.approx(6e8 * 18 / 5 / 1e9)
+    assert common.steady_seconds(record) == 2.5
+    one_step = common.RunRecord("ours", 4.0, [4.0], 0, 100.0, {"loss": 0.5})
+    assert common.steady_gflops(one_step, [3], 10**8) == pytest.approx(6e8 * 3 / 4 / 1e9)
+
+
+def test_summary_table_rates_and_the_line_against_trl() -> None:
+    ours = common.RunRecord("ours", 10.0, [6.0, 4.0], 0, 1000.0, {"loss": 0.5})
+    fast = common.RunRecord("TRL no-GC", 20.0, [12.0, 8.0], 0, 2000.0, {"loss": 0.5})
+    slow = common.RunRecord("TRL defaults", 30.0, [15.0, 15.0], 0, 1250.0, {"loss": 0.5})
+    records = {"ours": [ours], "TRL no-GC": [fast], "TRL defaults": [slow]}
+    rates = common.Rates(params=10**8, matmul_gflops=200.0, threads=2)
+    table = common.summary_table(records, steps=2, tokens=1000, ours="ours",
+                                 metrics=[("l", "loss")], rates=rates, per_step=[600, 400])  # fmt: skip
+    ours_row, fast_row, _ = (line.split(" | ") for line in table.splitlines()[2:])
+    # ours: 6e8 · 1000 / 10 s = 60 GFLOP/s, 30% of 200; step 2: 400 tokens in 4 s = 60 too.
+    assert ours_row[7:11] == ["60.0", "30%", "60.0", "30%"]
+    # TRL no-GC: 2.00× over the run, 8 s against 4 s per steady step, 30 GFLOP/s.
+    assert fast_row[4:11] == ["2.00×", "0.50", "2.00×", "30.0", "15%", "30.0", "15%"]
+    line = common.against_trl(records, "ours", ["TRL no-GC", "TRL defaults"])
+    assert "fastest configuration here (TRL no-GC): 2.00× over the training time" in line
+    assert "2.00× per steady step; peak RSS 0.50× its, 0.80× TRL defaults'" in line
