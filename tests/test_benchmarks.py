@@ -22,6 +22,7 @@ import gpu_bench  # noqa: E402
 import grpo_vs_trl  # noqa: E402
 import kto_vs_trl  # noqa: E402
 import ppo_vs_trl  # noqa: E402  (imports without TRL: TRL is imported in its child)
+import profile_step  # noqa: E402
 import rm_vs_trl  # noqa: E402
 import sft_packing  # noqa: E402
 import sft_vs_trl  # noqa: E402
@@ -403,3 +404,21 @@ def test_summary_table_rates_and_the_line_against_trl() -> None:
     line = common.against_trl(records, "ours", ["TRL no-GC", "TRL defaults"])
     assert "fastest configuration here (TRL no-GC): 2.00× over the training time" in line
     assert "2.00× per steady step; peak RSS 0.50× its, 0.80× TRL defaults'" in line
+
+
+def test_profile_tables_split_the_step_as_timed() -> None:
+    """The regions add up to the step (the rest is "other"); the decoder's forward is taken out
+    of the loss and KL regions it ran in; padding against one padded row per sequence."""
+    regions = profile_step.Regions()
+    regions.seconds.update(data=0.5, kl=2.0, loss=3.0, backward=4.0, optimizer=0.25)
+    regions.decoder.update(kl=1.5, loss=2.5)
+    table = profile_step.step_table(regions, total=10.0)
+    assert "| KL pass: LM head, log-probs, KL point | 0.50 | 5% |" in table
+    assert "| forward: decoder (30 layers) | 2.50 | 25% |" in table
+    assert "| logits + loss (LM head, log-softmax, gather, loss) | 0.50 | 5% |" in table
+    assert "| other (metrics, bookkeeping) | 0.25 | 2% |" in table  # 10 - 9.75
+    # Three sequences of 10, 30 and 20 tokens in rows of 30: 90 positions, a third padding.
+    assert profile_step.padding_rows([10, 30, 20]) == (90, 60)
+    with regions.region("loss"):
+        assert regions.current == "loss"
+    assert regions.current == "other" and regions.seconds["loss"] > 3.0
