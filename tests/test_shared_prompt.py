@@ -192,6 +192,49 @@ def test_packed_shared_prompt_rows() -> None:
     assert third == [(7, 41), (7, 42)]
 
 
+def test_packed_sft_rows_equal_plain_rows() -> None:
+    """Rows with nothing to share, placed best-fit into fewer rows no wider than the longest,
+    give the plain path's per-row sums, counts and gradients; SFT's collate takes this layout
+    when the common prefix does not pay."""
+    from align_anything.families.language import IGNORE_INDEX, collate_sft
+    from align_anything.families.language.layouts import collate_packed_sft
+    from align_anything.tasks.sft import SFT
+
+    ignore = IGNORE_INDEX
+    rows = [  # 6, 3 and 2 tokens: the last two share a row of width 6
+        {"input_ids": [5, 6, 7, 8, 40, 41], "labels": [ignore] * 4 + [40, 41]},
+        {"input_ids": [9, 10, 50], "labels": [ignore, ignore, 50]},
+        {"input_ids": [11, 60], "labels": [ignore, 60]},
+    ]
+    model = _model("sdpa")
+    results = []
+    for packed in (False, True):
+        model.zero_grad()
+        if packed:
+            batch = collate_packed_sft(rows, pad_id=0, additive_mask_dtype=None)
+            assert batch["input_ids"].shape == (2, 6) and batch.tokens == 11
+            sums, counts = shared_prefix_logps(model, batch, completion_only=True)
+        else:
+            batch = collate_sft(rows, pad_id=0)
+            sums, counts = completion_forward(model, batch, completion_only=True)
+        (sums * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((sums.detach(), counts, grads))
+    (plain_sums, plain_counts, plain_grads), (sums, counts, grads) = results
+    assert counts.tolist() == plain_counts.tolist() == [2, 1, 1]
+    torch.testing.assert_close(sums, plain_sums, rtol=1e-5, atol=1e-5)
+    for name, grad in plain_grads.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5 * scale, msg=name)
+    # Rows that cannot share a row: the plain layout.
+    assert collate_packed_sft(rows[:2], pad_id=0, additive_mask_dtype=None) is None
+    task = SFT(policy=model, pad_id=0, media=None, completion_only=True, share_prefix=True,
+               flatten_packed=False, mask_dtype=None)  # fmt: skip
+    assert isinstance(task.collate(rows), SharedPrefix)
+    assert task.count_items(task.collate(rows)) == 4
+    assert not isinstance(task.collate(rows[:2]), SharedPrefix)
+
+
 def test_packed_shared_prompt_logps_equal_plain_pairs() -> None:
     model = _model("sdpa")
     results = []

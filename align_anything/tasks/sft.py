@@ -27,6 +27,7 @@ from align_anything.families.language.family import (
 from align_anything.families.language.forward import sequence_logps
 from align_anything.families.language.layouts import (
     DENSE_MASK_ATTENTION,
+    collate_packed_sft,
     collate_shared_sft,
     mask_dtype,
     supports_shared_prompt,
@@ -94,11 +95,13 @@ class SFT(Task):
         if rows and isinstance(rows[0], PackedSequence):
             return collate_packed(rows, pad_id=self.pad_id, flatten=self.flatten_packed)
         if self.share_prefix:
-            shared = collate_shared_sft(
+            # The common prefix once when it pays; else short rows sharing rows (no padding
+            # to the longest row's width); else plain rows.
+            layout = collate_shared_sft(
                 rows, pad_id=self.pad_id, additive_mask_dtype=self.mask_dtype
-            )
-            if shared is not None:
-                return shared
+            ) or collate_packed_sft(rows, pad_id=self.pad_id, additive_mask_dtype=self.mask_dtype)
+            if layout is not None:
+                return layout
         batch = collate_sft(rows, pad_id=self.pad_id)
         return self.media.attach(batch, rows, copies=1) if self.media is not None else batch
 

@@ -255,3 +255,27 @@ def collate_shared_sft(
     return collate_shared_prefix(
         [group], num_sequences=len(rows), pad_id=pad_id, additive_mask_dtype=additive_mask_dtype
     )
+
+
+def collate_packed_sft(
+    rows: Sequence[Mapping[str, Any]], *, pad_id: int, additive_mask_dtype: torch.dtype | None
+) -> SharedPrefix | None:
+    """An SFT micro-batch's rows placed best-fit decreasing into fewer rows, none wider than
+    its longest (see `collate_shared_prefix`: the mask keeps them apart, positions restart per
+    sequence), so a long row no longer pads every short one to its width, and attention costs
+    no more per row. None when no two rows fit in one."""
+    lengths = [len(r["input_ids"]) for r in rows]
+    placed = best_fit_decreasing(lengths, max(lengths)).as_lists()
+    if len(placed) == len(rows):
+        return None
+    # Each sequence is its own group: its first token (never a target) as the prefix.
+    groups = [
+        PrefixGroup(
+            list(r["input_ids"][:1]), [list(r["input_ids"][1:])], [list(r["labels"][1:])], [i]
+        )
+        for i, r in enumerate(rows)
+    ]
+    return collate_shared_prefix(
+        groups, num_sequences=len(rows), pad_id=pad_id, additive_mask_dtype=additive_mask_dtype,
+        rows=placed,
+    )  # fmt: skip
