@@ -47,23 +47,33 @@ BUILDERS: dict[str, Callable[..., Setup]] = {
 }
 
 
+def clocks() -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds over all its threads)."""
+    return time.perf_counter(), time.process_time()
+
+
 class Regions:
-    """Seconds per named region; the decoder's forward attributed to the region it ran in."""
+    """Wall and CPU seconds per named region; the decoder's forward attributed to the region
+    it ran in. CPU seconds (all threads) move far less than wall seconds when other work
+    shares the cores."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
         self.decoder: dict[str, float] = defaultdict(float)
+        self.decoder_cpu: dict[str, float] = defaultdict(float)
         self.current = "other"
-        self._decoder_start = 0.0
+        self._decoder_start = (0.0, 0.0)
 
     @contextmanager
     def region(self, name: str) -> Iterator[None]:
         outer, self.current = self.current, name
-        start = time.perf_counter()
+        wall, cpu = clocks()
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - start
+            self.seconds[name] += time.perf_counter() - wall
+            self.cpu[name] += time.process_time() - cpu
             self.current = outer
 
     def wrap(self, owner: Any, attribute: str, name: str) -> None:
@@ -78,17 +88,19 @@ class Regions:
 
     def hook_decoder(self, decoder: Any) -> None:
         def before(*_: Any) -> None:
-            self._decoder_start = time.perf_counter()
+            self._decoder_start = clocks()
 
         def after(*_: Any) -> None:
-            self.decoder[self.current] += time.perf_counter() - self._decoder_start
+            wall, cpu = clocks()
+            self.decoder[self.current] += wall - self._decoder_start[0]
+            self.decoder_cpu[self.current] += cpu - self._decoder_start[1]
 
         decoder.register_forward_pre_hook(before)
         decoder.register_forward_hook(after)
 
     def reset(self) -> None:
-        self.seconds.clear()
-        self.decoder.clear()
+        for figures in (self.seconds, self.cpu, self.decoder, self.decoder_cpu):
+            figures.clear()
 
 
 def layouts(batch: Any) -> list[tuple[str, Any]]:
@@ -104,27 +116,32 @@ def padding_rows(sequence_lengths: list[int]) -> tuple[int, int]:
     return len(sequence_lengths) * max(sequence_lengths), sum(sequence_lengths)
 
 
-def step_table(regions: Regions, total: float) -> str:
-    """The step's regions as a markdown table (seconds, share of the step)."""
-    rows: list[tuple[str, float]] = [("data path (step source: rows → layouts)",
-                                      regions.seconds["data"])]  # fmt: skip
-    if "kl" in regions.seconds:
-        kl_decoder = regions.decoder["kl"]
-        rows += [
-            ("KL pass: decoder forward (no grad)", kl_decoder),
-            ("KL pass: LM head, log-probs, KL point", regions.seconds["kl"] - kl_decoder),
-        ]
-    forward = regions.decoder["loss"]
-    rows += [
-        ("forward: decoder (30 layers)", forward),
-        ("logits + loss (LM head, log-softmax, gather, loss)", regions.seconds["loss"] - forward),
-        ("backward", regions.seconds["backward"]),
-        ("optimizer (grad norm, clipping, AdamW)", regions.seconds["optimizer"]),
+def step_table(regions: Regions, total: tuple[float, float]) -> str:
+    """The step's regions as a markdown table: wall seconds, CPU seconds (all threads) and the
+    CPU share of the step. `total`: the step's (wall, CPU) seconds."""
+    both = (regions.seconds, regions.cpu)
+    decoder = (regions.decoder, regions.decoder_cpu)
+    rows: list[tuple[str, list[float]]] = [
+        ("data path (step source: rows → layouts)", [f["data"] for f in both])
     ]
-    rows.append(("other (metrics, bookkeeping)", total - sum(s for _, s in rows)))
-    lines = ["| region | seconds | share |", "|---|---|---|"]
-    lines += [f"| {name} | {seconds:.2f} | {seconds / total:.0%} |" for name, seconds in rows]
-    lines.append(f"| **step** | **{total:.2f}** | 100% |")
+    if regions.decoder.get("kl"):
+        rows += [
+            ("KL pass: decoder forward (no grad)", [d["kl"] for d in decoder]),
+            ("KL pass: LM head, log-probs, KL point",
+             [f["kl"] - d["kl"] for f, d in zip(both, decoder, strict=True)]),
+        ]  # fmt: skip
+    rows += [
+        ("forward: decoder (30 layers)", [d["loss"] for d in decoder]),
+        ("logits + loss (LM head, log-softmax, gather, loss)",
+         [f["loss"] - d["loss"] for f, d in zip(both, decoder, strict=True)]),
+        ("backward", [f["backward"] for f in both]),
+        ("optimizer (grad norm, clipping, AdamW)", [f["optimizer"] for f in both]),
+    ]  # fmt: skip
+    rows.append(("other (metrics, bookkeeping)",
+                 [t - sum(r[1][k] for r in rows) for k, t in enumerate(total)]))  # fmt: skip
+    lines = ["| region | wall s | CPU s | CPU share |", "|---|---|---|---|"]
+    lines += [f"| {name} | {w:.2f} | {c:.2f} | {c / total[1]:.0%} |" for name, (w, c) in rows]
+    lines.append(f"| **step** | **{total[0]:.2f}** | **{total[1]:.2f}** | 100% |")
     return "\n".join(lines)
 
 
@@ -151,7 +168,9 @@ def padding_table(batches: list[Any], setup: Setup, step: int) -> str:
     return "\n".join(lines)
 
 
-def profile(task: str, *, batch: int, max_length: int, ops: int, threads: int | None) -> None:
+def profile(
+    task: str, *, batch: int, max_length: int, ops: int, threads: int | None, extra: list[str]
+) -> None:
     import torch
 
     from align_anything.config import load_config
@@ -164,7 +183,7 @@ def profile(task: str, *, batch: int, max_length: int, ops: int, threads: int | 
                          learning_rate=1e-5, row_set="hh")  # fmt: skip
     workdir = Path(tempfile.mkdtemp(prefix=f"aa-profile-{task}-"))
     overrides, _ = child_inputs(job, workdir)
-    cfg = load_config([*overrides, f"output_dir={workdir / 'run'}"])
+    cfg = load_config([*overrides, *extra, f"output_dir={workdir / 'run'}"])
     spec = TASKS[cfg.task]
     regions = Regions()
     with ExitStack() as stack:
@@ -195,16 +214,17 @@ def profile(task: str, *, batch: int, max_length: int, ops: int, threads: int | 
         timings = []
         for _ in range(2):
             regions.reset()
-            start = time.perf_counter()
+            wall, cpu = clocks()
             loop.train_step(run, task_, source)
-            timings.append(time.perf_counter() - start)
+            timings.append((time.perf_counter() - wall, time.process_time() - cpu))
         per_step = step_tokens(job.row_tokens, batch=batch)
         print(f"\n## {task.upper()} step 2 of {batch} long rows (max_length {max_length}), "
               f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}; "
-              f"step 1 (warm-up) {timings[0]:.2f} s\n")  # fmt: skip
+              f"step 1 (warm-up) {timings[0][0]:.2f} s; overrides {extra or 'none'}\n")  # fmt: skip
         print(step_table(regions, timings[1]))
         print(f"\n{per_step[1]:,} non-padding tokens in the step's sequences "
-              f"({per_step[1] / timings[1]:.0f} tokens/s)\n")  # fmt: skip
+              f"({per_step[1] / timings[1][0]:.0f} tokens/s wall, "
+              f"{per_step[1] / timings[1][1]:.0f} per CPU second)\n", flush=True)  # fmt: skip
         print(padding_table(collated, job, step=1))
         if ops:
             from torch.profiler import ProfilerActivity
@@ -223,10 +243,15 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=ROW_SETS["hh"])
     parser.add_argument("--ops", type=int, default=0, help="also a torch.profiler op table")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="extra align_anything overrides (e.g. speed.share_prefix=false)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     profile(args.task, batch=args.batch, max_length=args.max_length, ops=args.ops,
-            threads=args.threads)  # fmt: skip
+            threads=args.threads, extra=args.overrides)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -411,12 +411,16 @@ def test_profile_tables_split_the_step_as_timed() -> None:
     of the loss and KL regions it ran in; padding against one padded row per sequence."""
     regions = profile_step.Regions()
     regions.seconds.update(data=0.5, kl=2.0, loss=3.0, backward=4.0, optimizer=0.25)
+    regions.cpu.update(data=1.0, kl=4.0, loss=6.0, backward=8.0, optimizer=0.5)
     regions.decoder.update(kl=1.5, loss=2.5)
-    table = profile_step.step_table(regions, total=10.0)
-    assert "| KL pass: LM head, log-probs, KL point | 0.50 | 5% |" in table
-    assert "| forward: decoder (30 layers) | 2.50 | 25% |" in table
-    assert "| logits + loss (LM head, log-softmax, gather, loss) | 0.50 | 5% |" in table
-    assert "| other (metrics, bookkeeping) | 0.25 | 2% |" in table  # 10 - 9.75
+    regions.decoder_cpu.update(kl=3.0, loss=5.0)
+    table = profile_step.step_table(regions, total=(10.0, 20.0))
+    assert "| KL pass: LM head, log-probs, KL point | 0.50 | 1.00 | 5% |" in table
+    assert "| forward: decoder (30 layers) | 2.50 | 5.00 | 25% |" in table
+    assert "| logits + loss (LM head, log-softmax, gather, loss) | 0.50 | 1.00 | 5% |" in table
+    assert "| other (metrics, bookkeeping) | 0.25 | 0.50 | 2% |" in table  # 20 - 19.5
+    regions.decoder["kl"] = 0.0  # (SFT: no KL pass)
+    assert "KL pass" not in profile_step.step_table(regions, total=(10.0, 20.0))
     # Three sequences of 10, 30 and 20 tokens in rows of 30: 90 positions, a third padding.
     assert profile_step.padding_rows([10, 30, 20]) == (90, 60)
     with regions.region("loss"):
