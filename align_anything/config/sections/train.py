@@ -99,7 +99,7 @@ class SpeedSection(_Section):
         description="Project only the positions that predict a scored token onto the vocabulary (the LM head's share of compute, for the same log-probs)."
     )
     share_prefix: bool = Field(
-        description="Compute a shared prefix once: SFT and KTO, the common system prompt / template header of a micro-batch's rows (where it saves at least a quarter of the tokens; KTO: its trained rows, its KL rows, the reference's rows); DPO and RM, each pair's prompt (one row prompt + chosen + rejected, short pairs sharing a row); GRPO / RLOO, the completions of a prompt in a micro-batch (one row prompt + completions). Needs attention that takes a dense mask (sdpa, eager); otherwise the plain rows."
+        description="Compute a shared prefix once: SFT and KTO, the common system prompt / template header of a micro-batch's rows (where it saves at least a quarter of the tokens; KTO: its trained rows, its KL rows, the reference's rows; where it does not, SFT places the micro-batch's rows best-fit into fewer rows no wider than its longest, without padding between them); DPO and RM, each pair's prompt (one row prompt + chosen + rejected, short pairs sharing a row); GRPO / RLOO, the completions of a prompt in a micro-batch (one row prompt + completions). Needs attention that takes a dense mask (sdpa, eager); otherwise the plain rows."
     )
     group_by_length: bool = Field(
         description="With gradient accumulation, each step's micro-batches take rows of similar length (less padding; the step's rows and gradient are unchanged)."
