@@ -605,7 +605,13 @@ def report(
         against_trl(records, ours, [n for n in records if n not in setup.ours_variants]),
         f"- rows: {len(setup.trl_rows)} ({setup.steps} steps × batch {setup.batch}), "
         f"{setup.tokens} non-padding tokens over all steps; token counts per row "
-        + ("identical in both trainers" if same_tokens else "DIFFER between the trainers"),
+        + (
+            "not compared (no TRL run)"
+            if not trl_runs
+            else "identical in both trainers"
+            if same_tokens
+            else "DIFFER between the trainers"
+        ),
     ]
     if not same_tokens:
         diffs = [
