@@ -153,7 +153,9 @@ def sde_step(x, v, sigma, sigma_next, sigma_1, a) -> tuple[torch.Tensor, torch.T
     sigma, sigma_next = sigma.view(shape), sigma_next.view(shape)
     dt = sigma_next - sigma
     std_t = a * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_1, sigma)))
-    mean = x * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    mean = (
+        x * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
+    )
     return mean, std_t * torch.sqrt(-dt)
 
 
@@ -264,8 +266,8 @@ def group_advantages(rewards: torch.Tensor, group: int, cap: float) -> torch.Ten
     """[N]: (R − group mean) / (unbiased group std + 1e-4), clipped to ±cap."""
     grouped = rewards.view(-1, group)
     std = grouped.std(dim=1, keepdim=True)
-    return ((grouped - grouped.mean(dim=1, keepdim=True)) / (std + STD_EPS)).view(-1).clamp(
-        -cap, cap
+    return (
+        ((grouped - grouped.mean(dim=1, keepdim=True)) / (std + STD_EPS)).view(-1).clamp(-cap, cap)
     )
 
 
