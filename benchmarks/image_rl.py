@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run from a checkout, with or without an installed package
@@ -184,31 +185,56 @@ def paired_child(args: argparse.Namespace) -> None:
             raise SystemExit(f"the two sides start from different weights: {differing[:3]}")
         entry = source.rows.entry
         plain.embeddings = plain.pipeline.encode(list(entry.captions))
-        per_round = source.sizes.steps_per_round
+        per_round, group = source.sizes.steps_per_round, args.group
+        grpo = algorithm == "flow_grpo"
+        if grpo and cfg.section().train_fraction != 1.0:
+            raise SystemExit("the plain loop trains every denoising step: train_fraction=1")
         run.policy.train()
         for step in range(args.steps):
-            started, wall = time.process_time(), time.perf_counter()
-            result = loop.train_step(run, task, source)
-            task.after_step(run.state.step)
-            ours_cpu, ours_wall = time.process_time() - started, time.perf_counter() - wall
-            # What the plain side takes from ours' round: its captions, keys, trained steps.
+            # What the plain side takes from ours: the round's prompts (ours' seeded choice),
+            # hence its captions and image keys p·G + j.
+            round_index, within = divmod(step, per_round)
+            prompt_rows = source.round_prompts(round_index)
+            keys = [row * group + j for row in prompt_rows for j in range(group)]
+            captions = [entry.captions[int(entry.rows[source.rows[row].source, 0])]
+                        for row in prompt_rows for _ in range(group)]  # fmt: skip
+            trained = torch.arange(args.rollout_steps).expand(len(keys), -1)
+
+            def ours_step() -> Any:
+                result = loop.train_step(run, task, source)
+                task.after_step(run.state.step)
+                return result
+
+            def plain_step(
+                step: int = step, round_index: int = round_index, within: int = within,
+                keys: list[int] = keys, captions: list[str] = captions,
+                trained: torch.Tensor = trained,
+            ) -> dict[str, float]:  # fmt: skip
+                if within == 0:
+                    plain.rollout(
+                        captions, [draw_seed(seed, round_index, 2 * k) for k in keys],
+                        [draw_seed(seed, round_index, 2 * k + 1) for k in keys],
+                    )  # fmt: skip
+                return plain.step([draw_seed(seed, step, k) for k in keys], trained)
+
+            # Each side goes first every other step (neither always gets the warmer caches).
+            timed = {}
+            for name, work in [("ours", ours_step), ("plain", plain_step)][:: 1 - 2 * (step % 2)]:
+                started, wall = time.process_time(), time.perf_counter()
+                output = work()
+                timed[name] = (output, time.process_time() - started, time.perf_counter() - wall)
+            (result, ours_cpu, ours_wall), (figures, plain_cpu, plain_wall) = (
+                timed["ours"],
+                timed["plain"],
+            )
             current = source.current
-            keys = current.tensors["key"].tolist()
-            captions = [entry.captions[int(entry.rows[source.rows[r].source, 0])]
-                        for r in current.tensors["row"].tolist()]  # fmt: skip
-            round_index, fresh = divmod(step, per_round)
-            started, wall = time.process_time(), time.perf_counter()
-            if fresh == 0:
-                plain.rollout(
-                    captions, [draw_seed(seed, round_index, 2 * k) for k in keys],
-                    [draw_seed(seed, round_index, 2 * k + 1) for k in keys],
-                )  # fmt: skip
-            figures = plain.step([draw_seed(seed, step, k) for k in keys],
-                                 current.tensors.get("steps"))  # fmt: skip
-            plain_cpu, plain_wall = time.process_time() - started, time.perf_counter() - wall
-            ours_latents = current.tensors["latents" if algorithm == "flow_grpo" else "final"]
+            if current.tensors["key"].tolist() != keys or (
+                grpo and not torch.equal(current.tensors["steps"], trained)
+            ):
+                raise SystemExit(f"step {step + 1}: ours' round is not the plain side's")
+            ours_latents = current.tensors["latents" if grpo else "final"]
             plain_latents = plain.round["latents"]
-            if algorithm != "flow_grpo":
+            if not grpo:
                 plain_latents = plain_latents[:, -1]
             ours_loss = result.sums["loss"] / result.items
             row = {
@@ -222,7 +248,7 @@ def paired_child(args: argparse.Namespace) -> None:
                 "ours_cpu_s": ours_cpu, "plain_cpu_s": plain_cpu,
                 "ours_wall_s": ours_wall, "plain_wall_s": plain_wall,
             }  # fmt: skip
-            if algorithm == "flow_grpo":
+            if grpo:
                 row.update(ours_kl=result.sums.get("kl", 0.0) / result.items,
                            plain_kl=figures["kl"])  # fmt: skip
             rows_out.append(row)
