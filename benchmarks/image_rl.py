@@ -11,17 +11,19 @@ task's `after_step`: `task=diffusion_nft` or `task=flow_grpo` on the built-in
 10-step rollouts, learning rate 1e-4 constant, clipping at 1.0, no weight decay) and the plain
 loop's step (`image_rl_plain.py`: diffusers' transformer, VAE, text encoders and scheduler
 with the papers' maths, its own transformer loaded from the same folder, torch AdamW),
-alternating step by step. Every step of each side is whole: the round (sampling, decoding,
-the colour reward, advantages), the loss, backward, the update (NFT: and the old policy's
-average). The plain side takes from ours' round only what makes the inputs identical: the
-round's captions and image keys (p·G + j), from which it draws the same seeded noise
-(`forward.draw_seed`'s seeds: each image's initial noise, Flow-GRPO's step noise, NFT's
-training noise and noise level), and Flow-GRPO's trained steps; it samples, decodes, scores and
-trains by itself. Per step: both losses (the run stops when they differ by more than
-`--tolerance` relative, 1e-5), the gradient norms, the rollouts' largest latent difference,
-whether the rewards agree, and the CPU time of each side's step (`time.process_time`, the
-same load for both). The speed is the ratio of the medians of the per-round CPU seconds (the
-first round, a warm-up, left out): plain / ours, > 1 when ours is faster.
+alternating step by step, each side first every other step. Every step of each side is whole:
+the round (sampling, decoding, the colour reward, advantages), the loss, backward, the update
+(NFT: and the old policy's average). The plain side takes from ours only the round's prompts
+(ours' seeded choice, `ImageRounds.round_prompts`), hence its captions and image keys p·G + j,
+from which it draws the same seeded noise (`forward.draw_seed`'s seeds: each image's initial
+noise, Flow-GRPO's step noise, NFT's training noise and noise level); it samples, decodes,
+scores and trains by itself, every denoising step trained (`train_fraction` 1). Per step: both
+losses (the run stops when they differ by more than `--tolerance`, 1e-5, relative to
+max(1, |loss|)), the gradient norms before clipping, the rollouts' largest latent difference,
+whether the rewards agree, ours' round being the plain side's, and the CPU time of each side's
+step (`time.process_time`: both under the same load). The speed is the ratio of the medians of
+the per-round CPU seconds per step (the first round, a warm-up, left out): plain / ours, > 1
+when ours is faster.
 
 Prints a markdown table and one JSON line; writes it to --out when given.
 """
