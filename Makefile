@@ -93,17 +93,19 @@ train-t2i: setup
 # The text-to-image online RL main job (docs/tasks/image-rl.md): DiffusionNFT of the built-in
 # tiny-t2i-shapes-flow (the flow-matching sibling of tiny-t2i-shapes, the same colour confusion)
 # on the built-in prompts, rewarded by the colour rule itself (align_anything.rewards:shape_colour),
-# checked like train-t2i on the same 32 held-out captions and seeds.
+# checked like train-t2i on the same 32 held-out captions and seeds. It passes at most 0.5 before
+# training and at least 0.95 after it (200 steps of 8 prompts x 8 images).
 T2I_RL_RUN_DIR ?= outputs/t2i-rl-$(shell date +%Y%m%d-%H%M%S)
 T2I_RL_ARGS := task=diffusion_nft deepspeed=z2 model.name_or_path=tiny-t2i-shapes-flow \
-	train.learning_rate=2e-3
+	train.learning_rate=2e-3 train.lr_scheduler=cosine train.per_device_batch_size=64 \
+	train.max_steps=200
 
 train-t2i-rl: setup
 	$(PY) -m align_anything.train $(T2I_RL_ARGS) output_dir=$(T2I_RL_RUN_DIR)
 	@$(PY) -c 'import json, sys; e = json.load(open(sys.argv[1]))["evaluations"]; \
 	b, a = e["before"]["eval/image_check"], e["after"]["eval/image_check"]; \
-	ok = b <= 0.5 and a >= 0.8; verdict = "PASS" if ok else "FAIL"; \
-	print(f"held-out colour check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.80 after)"); \
+	ok = b <= 0.5 and a >= 0.95; verdict = "PASS" if ok else "FAIL"; \
+	print(f"held-out colour check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.95 after)"); \
 	sys.exit(0 if ok else 1)' $(T2I_RL_RUN_DIR)/summary.json
 
 # The text-to-video main job (docs/text-to-video.md): Diffusion-DPO of the built-in tiny-t2v-shapes

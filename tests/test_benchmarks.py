@@ -20,6 +20,8 @@ import dpo_vs_trl  # noqa: E402
 import generate_paired  # noqa: E402, F401
 import gpu_bench  # noqa: E402
 import grpo_vs_trl  # noqa: E402
+import image_rl  # noqa: E402
+import image_rl_plain  # noqa: E402
 import kto_vs_trl  # noqa: E402
 import ppo_vs_trl  # noqa: E402  (imports without TRL: TRL is imported in its child)
 import profile_step  # noqa: E402
@@ -426,3 +428,77 @@ def test_profile_tables_split_the_step_as_timed() -> None:
     with regions.region("loss"):
         assert regions.current == "loss"
     assert regions.current == "other" and regions.seconds["loss"] > 3.0
+
+
+def test_image_rl_plain_losses_by_hand() -> None:
+    """The plain loop's maths on numbers worked by hand: DiffusionNFT's eq. 8, Flow-GRPO's SDE
+    step (its mean written both ways) and log-density, the group advantages."""
+    import math
+
+    import torch
+
+    one = lambda x: torch.full((1, 1, 1, 1), float(x))  # noqa: E731
+    # v+ = (1 - β) v_old + β v_θ, v- = (1 + β) v_old - β v_θ; β = 0.5, v_θ = 1, v_old = 0.5,
+    # v = 0, r = 0.75: v+ = 0.75, v- = 0.25, loss = 0.75·0.5625 + 0.25·0.0625.
+    loss = image_rl_plain.nft_loss(one(1), one(0.5), one(0), torch.tensor([0.75]), beta=0.5)
+    assert loss.item() == pytest.approx(0.4375)
+    # σ_k = 0.5 -> 0.25, a = 0.7: σ_t = 0.7, dt = -0.25; x + (v + σ_t²/(2σ_k)·(x + (1 - σ_k)·v))·dt
+    # = 1 + (2 + 0.49·2)·(-0.25) = 0.255; std 0.7·√0.25 = 0.35.
+    mean, std = image_rl_plain.sde_step(
+        one(1), one(2), torch.tensor([0.5]), torch.tensor([0.25]), torch.tensor(0.9), 0.7
+    )
+    assert (mean.item(), std.item()) == (pytest.approx(0.255), pytest.approx(0.35))
+    # At σ_k = 1 the denominator takes σ_1: σ_t = 0.7·√(1 / 0.1), std σ_t·√(1 - 0.9).
+    _, first = image_rl_plain.sde_step(
+        one(0), one(0), torch.tensor([1.0]), torch.tensor([0.9]), torch.tensor(0.9), 0.7
+    )
+    assert first.item() == pytest.approx(0.7 * math.sqrt(10) * math.sqrt(0.1))
+    logp = image_rl_plain.gaussian_log_prob(mean + std, mean, std)
+    assert logp.item() == pytest.approx(-0.5 - math.log(0.35) - 0.5 * math.log(2 * math.pi))
+    # Rewards 1, 0, 0, 0: mean 0.25, unbiased std 0.5; the cap clips.
+    advantages = image_rl_plain.group_advantages(torch.tensor([1.0, 0, 0, 0]), 4, cap=1.2)
+    assert advantages.tolist() == pytest.approx(
+        [1.2, -0.25 / 0.5001, -0.25 / 0.5001, -0.25 / 0.5001]
+    )
+
+
+def test_image_rl_benchmark_gives_both_sides_the_same_work(tmp_path: Path) -> None:
+    """ours' overrides validate for both tasks and carry the batch, group, rollout steps, rate
+    and KL weight the plain side is given; the plain loop's own defaults are the tasks'."""
+    from align_anything.config import load_config
+
+    args = image_rl.parse_args(["--steps", "5", "--prompts", "3", "--group", "4"])
+    plain = image_rl_plain.parse_args([])
+    for algorithm in image_rl.ALGORITHMS:
+        overrides = image_rl.ours_overrides(args, algorithm, tmp_path / "o", tmp_path / "c")
+        cfg = load_config([o for o in overrides if not o.startswith("output_dir=")])
+        section = cfg.section()
+        assert (cfg.train.max_steps, cfg.train.per_device_batch_size) == (5, 12)
+        assert (section.num_generations, section.rollout_steps) == (4, args.rollout_steps)
+        assert (cfg.train.learning_rate, cfg.train.max_grad_norm, cfg.train.weight_decay) == (
+            args.lr, 1.0, 0.0,
+        )  # fmt: skip
+        assert section.num_iterations == args.num_iterations
+        assert (section.adv_clip_max, section.rollout_steps) == (
+            plain.adv_clip_max, plain.rollout_steps,
+        )  # fmt: skip
+        if algorithm == "flow_grpo":
+            assert section.beta == args.kl_beta and section.train_fraction == 1.0
+            assert (section.noise_level, section.epsilon) == (plain.noise_level, plain.clip)
+        else:
+            assert (section.beta, section.old_decay) == (plain.nft_beta, plain.old_decay)
+            assert section.sample_noise == 0.0 and section.timestep_sampling == "uniform"
+
+
+def test_image_rl_speed_is_the_median_round_after_the_first() -> None:
+    rows = [
+        {"round": r, "ours_cpu_s": o, "plain_cpu_s": p, "ours_loss": 0.5, "plain_loss": 0.5,
+         "ours_grad_norm": 2.0, "plain_grad_norm": 2.0 + g, "rollout_max_diff": 0.0,
+         "rewards_equal": True}
+        for r, o, p, g in [(0, 9.0, 1.0, 0.0), (1, 1.0, 1.1, 0.0), (2, 2.0, 2.2, 2e-6),
+                           (3, 1.0, 1.2, 0.0)]
+    ]  # fmt: skip
+    summary = image_rl.summarise(rows, steps_per_round=1)
+    assert (summary["ours_cpu_s_per_step"], summary["plain_cpu_s_per_step"]) == (1.0, 1.2)
+    assert summary["speed_ours_over_plain"] == pytest.approx(1.2)
+    assert summary["max_rel_grad_norm_diff"] == pytest.approx(1e-6, rel=1e-5)
