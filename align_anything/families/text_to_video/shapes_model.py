@@ -66,15 +66,16 @@ def unet_kwargs() -> dict[str, Any]:
     )  # fmt: skip
 
 
-def scheduler_kwargs() -> dict[str, Any]:
+def scheduler_kwargs(prediction_type: str = "epsilon") -> dict[str, Any]:
     return dict(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-        beta_schedule="scaled_linear", prediction_type="epsilon", clip_sample=False,
+        beta_schedule="scaled_linear", prediction_type=prediction_type, clip_sample=False,
         set_alpha_to_one=False, steps_offset=1, timestep_spacing="trailing",
     )  # fmt: skip
 
 
-def build_components(vae: Any, seed: int = 0) -> dict[str, Any]:
+def build_components(vae: Any, seed: int = 0,
+                     prediction_type: str = "epsilon") -> dict[str, Any]:  # fmt: skip
     """The pipeline's parts with random weights (seeded) around a given frame `vae`."""
     import torch
     from diffusers import DDIMScheduler, UNet3DConditionModel
@@ -87,7 +88,7 @@ def build_components(vae: Any, seed: int = 0) -> dict[str, Any]:
         "text_encoder": CLIPTextModel(text_encoder_config(len(tokenizer))),
         "vae": vae,
         "unet": UNet3DConditionModel(**unet_kwargs()),
-        "scheduler": DDIMScheduler(**scheduler_kwargs()),
+        "scheduler": DDIMScheduler(**scheduler_kwargs(prediction_type)),
     }
 
 
