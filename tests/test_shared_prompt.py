@@ -28,6 +28,32 @@ def _model(attn: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
 
 
+def _assert_layout_equals_plain_rows(model: torch.nn.Module, rows: list[dict], batch) -> list[int]:
+    """`batch` (a shared-prefix or packed SFT layout of `rows`) gives the per-row log-prob sums
+    and every gradient of the plain padded rows; returns the per-row counts (equal on both)."""
+    from align_anything.families.language import collate_sft
+
+    results = []
+    for layout in (None, batch):
+        model.zero_grad()
+        if layout is not None:
+            sums, counts = shared_prefix_logps(model, layout, completion_only=True)
+        else:
+            sums, counts = completion_forward(
+                model, collate_sft(rows, pad_id=0), completion_only=True
+            )
+        (sums * torch.arange(1.0, len(rows) + 1)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((sums.detach(), counts, grads))
+    (plain_sums, plain_counts, plain_grads), (sums, counts, grads) = results
+    assert counts.tolist() == plain_counts.tolist()
+    torch.testing.assert_close(sums, plain_sums, rtol=1e-5, atol=1e-5)
+    for name, grad in plain_grads.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5 * scale, msg=name)
+    return counts.tolist()
+
+
 def _run(model: torch.nn.Module, shared: bool, completion_only: bool):
     model.zero_grad()
     if shared:
@@ -81,7 +107,7 @@ def test_shared_prompt_layout() -> None:
 def test_shared_sft_prefix_equals_plain_rows() -> None:
     """An SFT micro-batch as one row (common unscored prefix once) gives the plain path's
     per-row sums, counts and gradients."""
-    from align_anything.families.language import IGNORE_INDEX, collate_sft
+    from align_anything.families.language import IGNORE_INDEX
     from align_anything.families.language.layouts import collate_shared_sft, common_unscored_prefix
 
     ignore = IGNORE_INDEX
@@ -95,25 +121,9 @@ def test_shared_sft_prefix_equals_plain_rows() -> None:
     # A scored target inside the common prefix ends the prefix before it.
     assert common_unscored_prefix(ids, [[ignore, ignore, 7, *lab[3:]] for lab in labels]) == 2
     model = _model("sdpa")
-    results = []
-    for shared in (False, True):
-        model.zero_grad()
-        if shared:
-            batch = collate_shared_sft(rows, pad_id=0, additive_mask_dtype=None)
-            assert batch["input_ids"].shape == (1, 3 + 3 + 2 + 4)
-            sums, counts = shared_prefix_logps(model, batch, completion_only=True)
-        else:
-            batch = collate_sft(rows, pad_id=0)
-            sums, counts = completion_forward(model, batch, completion_only=True)
-        (sums * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        results.append((sums.detach(), counts, grads))
-    (plain_sums, plain_counts, plain_grads), (sums, counts, grads) = results
-    assert counts.tolist() == plain_counts.tolist() == [2, 1, 3]
-    torch.testing.assert_close(sums, plain_sums, rtol=1e-5, atol=1e-5)
-    for name, grad in plain_grads.items():
-        scale = float(grad.abs().max())
-        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5 * scale, msg=name)
+    batch = collate_shared_sft(rows, pad_id=0, additive_mask_dtype=None)
+    assert batch["input_ids"].shape == (1, 3 + 3 + 2 + 4)
+    assert _assert_layout_equals_plain_rows(model, rows, batch) == [2, 1, 3]
     # Nothing to share: a single row, or rows without a common prefix of two tokens.
     assert collate_shared_sft(rows[:1], pad_id=0, additive_mask_dtype=None) is None
     other = {"input_ids": [1, 6, 7, 8], "labels": [ignore, ignore, ignore, 8]}
@@ -196,7 +206,7 @@ def test_packed_sft_rows_equal_plain_rows() -> None:
     """Rows with nothing to share, placed best-fit into fewer rows no wider than the longest,
     give the plain path's per-row sums, counts and gradients; SFT's collate takes this layout
     when the common prefix does not pay."""
-    from align_anything.families.language import IGNORE_INDEX, collate_sft
+    from align_anything.families.language import IGNORE_INDEX
     from align_anything.families.language.layouts import collate_packed_sft
     from align_anything.tasks.sft import SFT
 
@@ -207,25 +217,9 @@ def test_packed_sft_rows_equal_plain_rows() -> None:
         {"input_ids": [11, 60], "labels": [ignore, 60]},
     ]
     model = _model("sdpa")
-    results = []
-    for packed in (False, True):
-        model.zero_grad()
-        if packed:
-            batch = collate_packed_sft(rows, pad_id=0, additive_mask_dtype=None)
-            assert batch["input_ids"].shape == (2, 6) and batch.tokens == 11
-            sums, counts = shared_prefix_logps(model, batch, completion_only=True)
-        else:
-            batch = collate_sft(rows, pad_id=0)
-            sums, counts = completion_forward(model, batch, completion_only=True)
-        (sums * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        results.append((sums.detach(), counts, grads))
-    (plain_sums, plain_counts, plain_grads), (sums, counts, grads) = results
-    assert counts.tolist() == plain_counts.tolist() == [2, 1, 1]
-    torch.testing.assert_close(sums, plain_sums, rtol=1e-5, atol=1e-5)
-    for name, grad in plain_grads.items():
-        scale = float(grad.abs().max())
-        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-5 * scale, msg=name)
+    batch = collate_packed_sft(rows, pad_id=0, additive_mask_dtype=None)
+    assert batch["input_ids"].shape == (2, 6) and batch.tokens == 11
+    assert _assert_layout_equals_plain_rows(model, rows, batch) == [2, 1, 1]
     # Rows that cannot share a row: the plain layout.
     assert collate_packed_sft(rows[:2], pad_id=0, additive_mask_dtype=None) is None
     task = SFT(policy=model, pad_id=0, media=None, completion_only=True, share_prefix=True,
