@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO_ROOT))  # run from a checkout, with or without an in
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from diffusion_dpo_plain import update  # noqa: E402  (backward, clipping, AdamW at a rate)
 
 from align_anything.families.text_to_image import shapes  # noqa: E402
 
@@ -274,17 +275,6 @@ def group_advantages(rewards: torch.Tensor, group: int, cap: float) -> torch.Ten
 def colour_rewards(images: list, captions: list[str]) -> torch.Tensor:
     """1.0 where an image's dominant colour is its caption's (the shapes world's rule)."""
     return torch.tensor(shapes.colour_matches(images, captions), dtype=torch.float32)
-
-
-def update(model, optimizer, loss, *, max_grad_norm: float, lr: float) -> float:
-    """Backward, clipping and AdamW's update at `lr`; the gradient norm before clipping."""
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    return grad_norm
 
 
 def normal(seeds: list[int], shape: tuple[int, ...]) -> torch.Tensor:
