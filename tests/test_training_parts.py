@@ -263,6 +263,37 @@ def test_reference_is_the_loaded_model_frozen_or_the_adapter_disabled_policy(
 
 
 @pytest.mark.slow
+def test_plain_gradients_are_clipped_once_by_the_logged_norm(
+    one_process_group: comm.DistInfo,
+) -> None:
+    """ZeRO-0 in fp32: the wrapper measures the gradient norm once, logs it and clips with it;
+    DeepSpeed does not clip again. The first AdamW step with a large eps moves each weight by
+    lr·g/(|g| + eps), so the scale the gradients were clipped to shows in the weights (a
+    second clip at this max_norm would scale them by max_norm / (max_norm + 1e-6), 1% less)."""
+    from align_anything.backend import ds_config as dsc
+    from align_anything.backend.engine import Engine
+
+    lr, eps, clip = 1000.0, 10.0, 1e-4
+    engine = Engine(tiny(), {**Z0, "gradient_clipping": clip},
+                    adam=dsc.AdamSettings(lr, (0.9, 0.999), eps, 0.0), schedule="constant",
+                    total_steps=1, warmup_steps=0)  # fmt: skip
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    before = [p.detach().clone() for p in params]
+    grads = [p.grad.detach().clone() for p in params]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert norm > 10 * clip  # the clipping acts
+    engine.step()
+    assert engine.grad_norm() == pytest.approx(float(norm), rel=1e-5)
+    factor = clip / (float(norm) + 1e-6)
+    for param, old, grad in zip(params, before, grads, strict=True):
+        clipped = grad * factor
+        moved = lr * clipped / (clipped.abs() + eps)  # ~1e-3: well above the weights' ulp
+        torch.testing.assert_close(old - param.detach(), moved, rtol=1e-3, atol=2e-7)
+
+
+@pytest.mark.slow
 def test_generation_check_counts_greedy_answers_with_the_property(
     one_process_group: comm.DistInfo,
 ) -> None:

@@ -180,6 +180,15 @@ class Engine:
         # Gradients are the parameters' own `.grad` tensors (what tied_embeddings can use).
         self.plain_gradients = plain
         self._grad_norm: float | None = None
+        # DeepSpeed clips plain gradients with a loop of per-parameter norms and an all-reduce of
+        # their total (the same on every rank: the gradients are reduced already), then drops
+        # the norm, which the logs need. The wrapper measures it once instead (torch's
+        # multi-tensor norm, no collective) and clips with it: the same max_norm / (norm + 1e-6)
+        # factor, applied where it is < 1.
+        self._clip = 0.0
+        if plain:
+            self._clip = float(self.engine.gradient_clipping())
+            self.engine._config.gradient_clipping = 0.0
 
     # The wrapped module (for generation and config access).
     @property
@@ -217,14 +226,18 @@ class Engine:
         self.engine.step()
 
     def _measure_grad_norm(self) -> float | None:
-        # ZeRO optimizers record the global norm themselves (read after step); stage 0 without
-        # mixed precision does not, so measure the (already all-reduced) gradients here.
-        if self.zero_stage != 0:
+        """The global norm of plain gradients (already all-reduced), and their clipping (see
+        __init__). ZeRO and the mixed-precision optimizers record the norm themselves (read
+        after the step): None."""
+        if not self.plain_gradients:
             return None
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        if not grads:
+        params = [p for p in self.engine.module.parameters() if p.grad is not None]
+        if not params:
             return None
-        return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if self._clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self._clip, norm)
+        return float(norm)
 
     def grad_norm(self) -> float | None:
         """The global gradient norm of the last optimizer step (before clipping)."""
