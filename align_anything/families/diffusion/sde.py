@@ -44,6 +44,7 @@ w ≤ 1), the unconditional half on the empty prompt's embeddings (SDXL with
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +95,10 @@ class Sampler:
 
     def stds(self) -> Tensor:
         """[K] float64: each step's standard deviation (0: a deterministic step)."""
+        return self._stds
+
+    @functools.cached_property
+    def _stds(self) -> Tensor:
         if self.kind == "flow_sde":
             sigma, following = self.table[:-1], self.table[1:]
             return self._flow_noise(sigma) * torch.sqrt(sigma - following)
@@ -112,6 +117,11 @@ class Sampler:
         denominator = torch.where(sigma >= 1, 1 - second, 1 - sigma)
         return self.noise * torch.sqrt(sigma / denominator)
 
+    @functools.cached_property
+    def _step_flow_noise(self) -> Tensor:
+        """[K]: σ_t of each step (flow)."""
+        return self._flow_noise(self.table[:-1])
+
     def gaussian(self, step: Tensor, sample: Tensor, output: Tensor) -> StepGaussian:
         """The distribution of the next latent from `sample` [B, ...] at steps `step` [B] (one
         per sample: a training batch mixes steps) given the denoiser's guided `output` there.
@@ -128,7 +138,7 @@ class Sampler:
             sigma, following = self.table[step], self.table[step + 1]
             dt = per_sample(following - sigma)
             t = per_sample(sigma)
-            noise = per_sample(self._flow_noise(sigma))
+            noise = per_sample(self._step_flow_noise[step])
             mean = x + (out + noise**2 / (2 * t) * (x + (1 - t) * out)) * dt
             return StepGaussian(mean, std)
         alpha, previous = per_sample(self.table[step, 0]), per_sample(self.table[step, 1])

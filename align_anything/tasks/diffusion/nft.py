@@ -74,11 +74,17 @@ class OldPolicy:
         self.decay = decay
         self.params = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         self.average: dict[str, Tensor] = {}
-        self._visit(lambda name, value: self.average.__setitem__(name, value.clone()))
+        # (the module last swapped, its trained parameters with their names): found once.
+        self._targets: tuple[Any, list[tuple[Any, str]]] | None = None
+
+        def keep(names: list[str], values: list[Tensor]) -> None:
+            self.average.update((n, v.clone()) for n, v in zip(names, values, strict=True))
+
+        self._visit(keep)
 
     def _visit(self, fn: Any) -> None:
-        """fn(name, the whole fp32 value) for every trained parameter, on every rank (under
-        ZeRO-3 gathered in groups: collective)."""
+        """fn(names, their whole fp32 values) for the trained parameters, a group at a time, on
+        every rank (under ZeRO-3 each group gathered at once: collective)."""
         stage = self.engine.zero_stage
         group: list[tuple[str, Any]] = []
         size = 0
@@ -91,15 +97,16 @@ class OldPolicy:
             size += full_numel(param)
         for part in groups:
             with gathered([p for _, p in part], stage):
-                for name, param in part:
-                    fn(name, param.detach().float())
+                fn([name for name, _ in part], [param.detach().float() for _, param in part])
 
     @torch.no_grad()
     def update(self) -> None:
         """old ← decay·old + (1 − decay)·θ (after every optimizer step). Collective."""
 
-        def blend(name: str, value: Tensor) -> None:
-            self.average[name].mul_(self.decay).add_(value, alpha=1.0 - self.decay)
+        def blend(names: list[str], values: list[Tensor]) -> None:
+            average = [self.average[n] for n in names]
+            torch._foreach_mul_(average, self.decay)
+            torch._foreach_add_(average, values, alpha=1.0 - self.decay)
 
         self._visit(blend)
 
@@ -108,12 +115,14 @@ class OldPolicy:
         """The old weights in `module`'s trained parameters for the block (`module` whole: the
         engine's module outside ZeRO-3, inside `gathered_for_generation` under it), the
         trained ones back after it."""
+        if self._targets is None or self._targets[0] is not module:
+            named = module.named_parameters()
+            self._targets = (module, [(p, n) for n, p in named if n in self.average])
         kept = []
         try:
-            for name, param in module.named_parameters():
-                if name in self.average:
-                    kept.append((param, param.data))
-                    param.data = self.average[name].to(param.data.dtype)
+            for param, name in self._targets[1]:
+                kept.append((param, param.data))
+                param.data = self.average[name].to(param.data.dtype)
             yield
         finally:
             for param, data in kept:
