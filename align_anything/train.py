@@ -96,18 +96,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(str(stop), file=sys.stderr, flush=True)
         return _stopped(128 + stop.signum)
-    return 0
+    return _stopped(0)
 
 
 def _stopped(code: int) -> int:
     """`code`, or, in a rank of a multi-process launch, the process ended with it at once.
 
     By now the run's clean-up has run (`run`'s ExitStack: process group, lock, run.json,
-    metrics) and the message is printed. What is left is the interpreter's own shutdown, in
-    which a C++ thread of the distributed backend can still be joinable after an error and
-    abort the process ("terminate called without an active exception", SIGABRT), turning the
-    documented exit code into the launcher's 250; seen once in 2-rank runs stopped by a data
-    error. A one-process caller (the tests call `main` in-process) gets the code back."""
+    metrics, the final model) and any message is printed. What is left is the interpreter's own
+    shutdown, in which a C++ thread of the distributed backend can still be joinable and abort
+    the process ("terminate called without an active exception", SIGABRT), turning the exit
+    code into the launcher's 250: seen in 2-rank runs stopped by a data error, and at the end
+    of a finished 2-rank ZeRO-3 LoRA run (its results all written). A one-process caller (the
+    tests call `main` in-process) gets the code back."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         sys.stdout.flush()
         sys.stderr.flush()
