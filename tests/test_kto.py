@@ -367,12 +367,17 @@ def test_shared_layouts_equal_the_plain_rows(rows, attn: str, completion_only: b
     plain = collate_rows(rows, pad_id=0, share_prefix=False, additive_mask_dtype=mask)
     shared = collate_rows(rows, pad_id=0, share_prefix=True, additive_mask_dtype=mask)
     one_row = rows is HEADER
-    assert isinstance(shared.own, SharedPrefix) is one_row
+    # DISTINCT: no common prefix; the trained sequences (8, 3 and 5 tokens) are packed into 2
+    # rows as wide as the longest; the KL ones (7, 6, 4) cannot share a row: plain rows.
+    assert isinstance(shared.own, SharedPrefix)
     assert isinstance(shared.kl, SharedPrefix) is one_row
     assert shared.reference_pass is not None and plain.reference_pass is None
     assert not isinstance(plain.own, SharedPrefix) and not isinstance(plain.kl, SharedPrefix)
     if one_row:  # the common prefix once: one row per layout
         assert shared.own.input_ids.shape[0] == shared.reference_pass.input_ids.shape[0] == 1
+    else:
+        assert tuple(shared.own.input_ids.shape) == (2, 8)
+        assert tuple(plain.own.input_ids.shape) == (3, 8)
 
     def trained(batch):
         model.zero_grad()

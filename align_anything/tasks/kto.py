@@ -31,9 +31,11 @@ Shared prefixes (`speed.share_prefix`, `collate_rows`): KTO's rows rarely share 
 every row of a chat model starts with the same template header (SmolLM2: a ~30-token system
 prompt), so the policy's trained sequences of a micro-batch run as one row `common prefix +
 rest_1 + …`, as SFT's do, and so do its KL sequences (two passes: the KL pass has no backward,
-and one row holding both would run the backward pass over the KL tokens too). The reference
-has no backward: its 2B sequences run as one such row, or, where the common prefix is too short
-to pay, each row's completion and KL completion after their one prompt.
+and one row holding both would run the backward pass over the KL tokens too). Where the common
+prefix is too short to pay (long conversations), the sequences are packed best-fit into fewer
+rows no wider than the longest instead of each padded to it. The reference has no backward:
+its 2B sequences run as one such row, or each row's completion and KL completion after their
+one prompt, short groups sharing a row.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from align_anything.families.language.family import (
 )
 from align_anything.families.language.forward import sequence_logps
 from align_anything.families.language.layouts import (
+    collate_packed_sft,
     collate_shared_prompt,
     collate_shared_sft,
     mask_dtype,
@@ -150,15 +153,19 @@ def collate_rows(
     (`data.layouts`), where they pay: the trained sequences as one row `common prefix +
     rest_1 + …` (the chat template's system prompt and header are common to every row) and
     the KL sequences likewise, each where the common prefix saves at least a quarter of the
-    tokens (`collate_shared_sft`'s rule); and, for a reference to run (rows without
+    tokens (`collate_shared_sft`'s rule), else packed best-fit into fewer rows no wider than
+    the longest (`collate_packed_sft`, as SFT's); and, for a reference to run (rows without
     precomputed log-probs), the 2B reference sequences as one such row, or else each row's
-    two after its one prompt."""
+    two after its one prompt, short groups sharing a row."""
     layout = {"pad_id": pad_id, "additive_mask_dtype": additive_mask_dtype}
     parts: list[Rows | SharedPrefix] = []
     for completion in ("completion_ids", "kl_ids"):
-        shared = (
-            collate_shared_sft(_sequences(rows, completion), **layout) if share_prefix else None
-        )
+        shared = None
+        if share_prefix:
+            sequences = _sequences(rows, completion)
+            shared = collate_shared_sft(sequences, **layout) or collate_packed_sft(
+                sequences, **layout
+            )
         parts.append(shared or collate_unpaired(rows, pad_id=pad_id, completion=completion))
     desirable = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
     batch = KTOBatch(parts[0], parts[1], desirable)
@@ -169,7 +176,9 @@ def collate_rows(
     elif share_prefix:
         batch.reference_pass = collate_shared_sft(
             _sequences(rows, "completion_ids") + _sequences(rows, "kl_ids"), **layout
-        ) or collate_shared_prompt(rows, completions=("completion_ids", "kl_ids"), **layout)
+        ) or collate_shared_prompt(
+            rows, completions=("completion_ids", "kl_ids"), pack=True, **layout
+        )
     return batch
 
 
