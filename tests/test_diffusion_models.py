@@ -139,7 +139,8 @@ def test_the_bucket_width_squared_is_one_layer_weight(name: str) -> None:
     """DeepSpeed's "auto" reduce bucket (width²) is one of the denoiser's layer weights, as a
     language model's h² is one h x h projection: a UNet's c -> c 3x3 convolution kernel (c, the
     widest block's channels; with c² nearly every convolution's gradient overflowed the bucket
-    and ZeRO-2 reduced gradients one at a time), a transformer's h x h attention projection."""
+    and ZeRO-2 reduced gradients one at a time), a transformer's (3d)² its largest block weight,
+    the modulation Linear(d, 6d) (with d², most of its gradients overflowed the bucket)."""
     info = diffusion.inspect_pipeline(name)
     denoiser = diffusion.load_denoiser(info, dtype=torch.float32)
     shapes = {tuple(p.shape) for p in denoiser.parameters()}
@@ -149,9 +150,11 @@ def test_the_bucket_width_squared_is_one_layer_weight(name: str) -> None:
         assert (c, c, 3, 3) in shapes
         assert diffusion.bucket_width(info) ** 2 == c * c * 3 * 3
     else:
-        h = config["num_attention_heads"] * config["attention_head_dim"]
-        assert (h, h) in shapes
-        assert diffusion.bucket_width(info) ** 2 == h * h
+        d = config["num_attention_heads"] * config["attention_head_dim"]
+        assert (6 * d, d) in shapes
+        assert diffusion.bucket_width(info) ** 2 == 9 * d * d
+        blocks = [p for n, p in denoiser.named_parameters() if n.startswith("transformer_blocks")]
+        assert max(p.numel() for p in blocks) <= diffusion.bucket_width(info) ** 2
 
 
 def test_encoder_identity_follows_the_encoders_only(tmp_path: Path) -> None:

@@ -364,6 +364,8 @@ def save_pipeline(
 # A UNet's bucket width per channel of its widest block: 3, so that h² = 9c² holds one c -> c
 # 3x3 convolution kernel (see `bucket_width`).
 UNET_KERNEL_SIDE = 3
+# A transformer's bucket width in hidden sizes: (3d)² holds its Linear(d, 6d) modulation weight.
+TRANSFORMER_BUCKET_SIDE = 3
 
 
 def bucket_width(info: PipelineInfo) -> int:
@@ -371,7 +373,10 @@ def bucket_width(info: PipelineInfo) -> int:
     10·h), as a language model's hidden size does. There h² is one h x h weight of a layer;
     the denoiser's counterpart of that weight gives h:
 
-    - a transformer (SD3, Flux): heads x head size, its hidden size, as for a language model;
+    - a transformer (SD3, Flux, Wan): 3·d, d its hidden size (heads x head size), so that
+      h² = 9d² holds a block's largest weight, the adaptive norm's modulation Linear(d, 6d)
+      (the feed-forward's are 4d²). With h = d, 59 of `tiny-t2i-shapes-flow`'s 138 gradients
+      overflowed the ZeRO-2 reduce bucket: 119 reductions per step (20 at 3·d);
     - a UNet (SD 1.x/2.x, SDXL): 3·c, c the widest block's channels, so that h² = 9c² is one
       c -> c 3x3 convolution kernel. With h = c nearly every convolution's gradient overflowed
       the ZeRO-2 reduce bucket, which then reduced gradients one at a time: 124 reductions per
@@ -380,7 +385,8 @@ def bucket_width(info: PipelineInfo) -> int:
     config = info.denoiser_config
     if info.kind in UNET_KINDS:
         return UNET_KERNEL_SIDE * int(max(config.get("block_out_channels") or [320]))
-    return int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 64))
+    hidden = int(config.get("num_attention_heads", 1)) * int(config.get("attention_head_dim", 64))
+    return TRANSFORMER_BUCKET_SIDE * hidden
 
 
 # ----------------------------------------------------------------- identity, for the cache key
