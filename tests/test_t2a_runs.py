@@ -9,7 +9,6 @@ cannot take are refused."""
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,7 +38,6 @@ class Runs(NamedTuple):
     data: Path
     sft: RunResult
     dpo: RunResult
-    seconds: float
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +48,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     t2a_data.captioned_folder(root / "eval", 2)
     t2a_data.pair_file(root / "pairs", 2)
     t2a_data.pair_file(root / "pairs-eval", 2)
-    start = time.perf_counter()
     sft = run_inline([*FAST, "task=diffusion_sft", f"data.path={root / 'train'}",
                       f"data.eval_path={root / 'eval'}", "diffusion_sft.eval_draws=1",
                       "diffusion_sft.check_samples=0", "diffusion_sft.sample_steps=1"],
@@ -59,7 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
                       f"data.eval_path={root / 'pairs-eval' / 'pairs.jsonl'}",
                       "diffusion_dpo.beta=10", "diffusion_dpo.check_samples=0",
                       "diffusion_dpo.sample_steps=1"], root / "dpo").check()  # fmt: skip
-    return Runs(root, sft, dpo, time.perf_counter() - start)
+    return Runs(root, sft, dpo)
 
 
 class ByHand:
@@ -113,7 +110,7 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_both_tasks_ran_two_finite_steps_in_the_budget(runs: Runs) -> None:
+def test_both_tasks_ran_two_finite_steps_under_zero0(runs: Runs) -> None:
     for result in (runs.sft, runs.dpo):
         assert result.zero_stage() == 0
         steps = result.train_steps()
@@ -122,7 +119,6 @@ def test_both_tasks_ran_two_finite_steps_in_the_budget(runs: Runs) -> None:
         assert result.summary_line("resolution").startswith(
             "0.64 s of mono audio at 16000 Hz: 64 mel frames x 16 mels (hop 160); latents 4x32x8"
         )
-    assert runs.seconds < 60, f"the two runs took {runs.seconds:.0f} s"
 
 
 # The random UNet's prediction is small beside the noise, so a sample's MSE is about 1 whatever
@@ -228,3 +224,23 @@ def test_settings_an_audio_pipeline_cannot_take_are_refused() -> None:
         check_model_settings(cfg, info)
     assert "makes audio: leave them null" in str(caught.value)
     assert "data.resolution=32 sets an image side" in str(caught.value)
+
+
+def test_the_planner_measures_spectrogram_latents() -> None:
+    """Activations are measured at the clip's latent frames x latent mels, so they grow with
+    data.audio_seconds; the vocoder counts among the frozen parts."""
+    from align_anything.config import load_config
+    from align_anything.families import diffusion
+    from align_anything.families.diffusion.memory import denoiser_activations, estimate_memory
+    from align_anything.families.diffusion.sizes import frozen_part_sizes
+
+    info = diffusion.inspect_pipeline(MODEL)
+    assert info.latent_size(64) == (32, 8)
+    common = dict(samples=2, precision="fp32", gradient_checkpointing=False)
+    short, long = (denoiser_activations(info, resolution=r, **common) for r in (64, 128))
+    assert 1.8 < long / short < 2.1
+    assert set(frozen_part_sizes(info)) == {"vae", "text_encoder", "vocoder"}
+    cfg = load_config(["task=diffusion_dpo", f"model.name_or_path={MODEL}",
+                       "data.audio_seconds=1.28"])  # fmt: skip
+    planned = estimate_memory(cfg, world_size=1, gpus_per_node=1, precision="fp32")
+    assert planned.shape == "128 mel frames x 16 mels"
