@@ -224,6 +224,29 @@ def test_settings_an_audio_pipeline_cannot_take_are_refused() -> None:
         check_model_settings(cfg, info)
     assert "makes audio: leave them null" in str(caught.value)
     assert "data.resolution=32 sets an image side" in str(caught.value)
+    cfg = load_config(["task=diffusion_sft", "model.name_or_path=tiny-random-sd",
+                       "data.audio_seconds=1"])  # fmt: skip
+    with pytest.raises(ConfigError, match="sets the length of audio clips; tiny-random-sd is a sd "
+                                          "pipeline, which makes images: leave it null"):  # fmt: skip
+        check_model_settings(cfg, diffusion.inspect_pipeline("tiny-random-sd"))
+
+
+def test_another_pipeline_with_a_vocoder_is_refused_by_name(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from align_anything.errors import ModelError
+    from align_anything.families import diffusion
+    from align_anything.families.zoo import resolve_model_path
+
+    folder = tmp_path / "musicldm"
+    shutil.copytree(resolve_model_path(MODEL), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(
+        json.dumps({**index, "_class_name": "MusicLDMPipeline"})
+    )
+    with pytest.raises(ModelError, match="is a MusicLDMPipeline .* only AudioLDMPipeline trains"):
+        diffusion.inspect_pipeline(str(folder))
 
 
 def test_the_planner_measures_spectrogram_latents() -> None:
