@@ -2,7 +2,8 @@
 table with its row names, a caption cell's text, and bad rows collected over a whole source
 into one `DataError` naming the file and each row. Used by the video and audio readers
 (`families/text_to_video/videos.py`, `families/text_to_audio/audio.py`); the image reader
-(`families/text_to_image/images.py`) still has its own."""
+(`families/text_to_image/images.py`) takes `RowProblems` and keeps its own table reader and
+caption check (JSON columns of mixed types kept as text, a caption of the wrong type named)."""
 
 from __future__ import annotations
 
