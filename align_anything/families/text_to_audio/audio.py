@@ -46,7 +46,6 @@ from align_anything.data.formats import DataReport, pick_column
 from align_anything.errors import DataError
 from align_anything.families.diffusion.rows import RowProblems, caption_text, read_table, where
 
-AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3")
 METADATA = "metadata.jsonl"
 KINDS = ("captioned", "pairs")
 CAPTIONED_COLUMNS = {"audio": ("audio", "file_name", "audio_path"),

@@ -89,13 +89,11 @@ def sample_audio(
     steps: int = 20, guidance_scale: float | None = None, batch_size: int = SAMPLE_BATCH,
     denoiser: torch.nn.Module | None = None,
     gathered: Callable[[], AbstractContextManager[torch.nn.Module]] | None = None,
-    resolution: int | None = None,
 ) -> list[np.ndarray]:  # fmt: skip
     """One waveform [samples] float32 per (prompt, seed), through the kind's pipeline class
     over the run's modules (`FrozenParts.pipeline`), each from its own seeded CPU generator,
     as `families.diffusion.sampling.sample_images` draws images (`denoiser` or `gathered`,
-    the denoiser in eval mode meanwhile). `resolution` (the mel frames) is implied by
-    `seconds`."""
+    the denoiser in eval mode meanwhile)."""
     if (denoiser is None) == (gathered is None):
         raise ValueError("give exactly one of denoiser= and gathered=")
     if len(prompts) != len(seeds):
@@ -180,8 +178,8 @@ def configure(cfg: Any, info: Any) -> Medium:
             source, features=features_of(info, resolution), encoder=encoder, columns=columns
         ),
         prepare=lambda resolution: mel_ready(features_of(info, resolution)),
-        sample=lambda parts, prompts, seeds, **kw: sample_audio(
-            parts, prompts, seeds, seconds=features_of(info, kw["resolution"]).seconds, **kw
+        sample=lambda parts, prompts, seeds, resolution, **kw: sample_audio(
+            parts, prompts, seeds, seconds=features_of(info, resolution).seconds, **kw
         ),
         save_samples=lambda rows, path, row_labels, column_labels: save_samples(
             rows, path, row_labels, column_labels, features=features
