@@ -112,6 +112,7 @@ LAYERS: list[dict[str, tuple[str, ...]]] = [
         "language": ("families.language",),
         "text_to_image": ("families.text_to_image",),
         "text_to_video": ("families.text_to_video",),
+        "text_to_audio": ("families.text_to_audio",),
     },
     {"pipelines": ("families.pipelines",)},
     {"generation": ("generation",), "rewards": ("rewards",)},

@@ -6,10 +6,11 @@ medium a family's room provides. A pipeline folder's kind says its medium
 from __future__ import annotations
 
 from align_anything.families.diffusion.family import Medium, pipeline_family
+from align_anything.families.text_to_audio.media import AUDIO
 from align_anything.families.text_to_image.media import IMAGES
 from align_anything.families.text_to_video.media import VIDEOS
 
 # Medium name -> what reads, draws and checks it.
-MEDIA: dict[str, Medium] = {"image": IMAGES, "video": VIDEOS}
+MEDIA: dict[str, Medium] = {"image": IMAGES, "video": VIDEOS, "audio": AUDIO}
 
 PIPELINES = pipeline_family("diffusion pipeline", MEDIA)

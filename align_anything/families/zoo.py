@@ -20,6 +20,8 @@ Built-in names serve the offline default run and the tests:
 - `tiny-random-t2v-unet3d`, `-t2v-unet3d-v`, `tiny-random-wan`: tiny diffusers text-to-video
   pipelines (`families/text_to_video/tiny.py`), and `tiny-t2v-shapes`, the project's own
   trained text-to-video pipeline (`families/text_to_video/shapes_model.py`), shipped.
+- `tiny-random-audioldm`: a tiny diffusers text-to-audio pipeline in AudioLDM's layout
+  (`families/text_to_audio/tiny.py`).
 
 Each builder lives in its family's room (`families/<family>/builtin.py` or `tiny.py`); this
 table names it by its import path, so the zoo sits below every family.
@@ -64,6 +66,7 @@ class BuiltinModel:
 _LANGUAGE = "align_anything.families.language.builtin"
 _T2I = "align_anything.families.text_to_image.tiny"
 _T2V = "align_anything.families.text_to_video.tiny"
+_T2A = "align_anything.families.text_to_audio.tiny"
 
 # Built-in name -> how to build it into the cache.
 BUILTIN_MODELS: dict[str, BuiltinModel] = {
@@ -84,6 +87,8 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-random-t2v-unet3d": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d", 2),
     "tiny-random-t2v-unet3d-v": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_unet3d_v", 2),
     "tiny-random-wan": BuiltinModel("text_to_video", f"{_T2V}:build_tiny_wan"),
+    # Text-to-audio: AudioLDM's layout (UNet on mel latents, CLAP, HiFi-GAN vocoder).
+    "tiny-random-audioldm": BuiltinModel("text_to_audio", f"{_T2A}:build_tiny_audioldm"),
 }
 # What marks a complete model folder: a transformers model or a diffusers pipeline.
 MODEL_FILES = ("config.json", "model_index.json")

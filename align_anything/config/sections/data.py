@@ -105,6 +105,10 @@ class DataConfig(_Section):
         gt=0,
         description="Text-to-video tasks: the rate clips are sampled at (a frame every 1/fps s, by each frame's time; a clip whose rate is anywhere below it, or too short, is refused); null: consecutive frames at the clip's own rate. A folder of frames is taken as consecutive frames.",
     )
+    audio_seconds: float | None = Field(
+        gt=0,
+        description="Text-to-audio tasks: seconds of audio per training clip (each file mixed to mono, resampled to the model's rate, cut or zero-padded at its end to this length); null: the pipeline's own (its denoiser's sample size in mel frames). Its mel frames must split evenly through the VAE and the denoiser: another length is refused, naming the nearest that work.",
+    )
     cache_dir: str | None = Field(
         description="Where tokenised data is cached (null: `data/` under `ALIGN_ANYTHING_CACHE`, else ~/.cache/align_anything). A start with the same data, tokenizer, chat template, max_length, truncation and task encoding reads it instead of tokenising.",
     )

@@ -39,6 +39,7 @@ from align_anything.families.diffusion.pipeline import (
     PipelineInfo,
     inspect_pipeline,
     is_pipeline_folder,
+    training_resolution,
 )
 from align_anything.families.diffusion.sampling import sample_images, save_grid
 
@@ -62,5 +63,6 @@ __all__ = [
     "save_denoiser_adapter",
     "save_grid",
     "save_pipeline",
+    "training_resolution",
     "training_scheduler",
 ]

@@ -179,6 +179,8 @@ def save_denoiser_adapter(
 
         layers = convert_state_dict_to_diffusers(layers)  # as diffusers' UNet LoRA scripts do
     cls = getattr(diffusers, PIPELINE_CLASSES[kind])
+    if not hasattr(cls, "save_lora_weights"):  # AudioLDMPipeline: no LoRA mixin; SD's layout
+        cls = diffusers.StableDiffusionPipeline  # of a UNet's adapter (`final-merged/` beside)
     config = denoiser.peft_config["default"].to_dict()
     with atomic.folder(Path(directory)) as tmp:
         cls.save_lora_weights(

@@ -144,7 +144,7 @@ def resolution_of(cfg: RunConfig, info: diffusion.PipelineInfo) -> int:
     `ConfigError` naming the nearest sizes that work."""
     from align_anything.families.diffusion.kinds import UNET_KINDS
 
-    resolution = cfg.data.resolution or info.default_resolution
+    resolution = diffusion.training_resolution(info, cfg.data.resolution, cfg.data.audio_seconds)
     config = info.denoiser_config
     if info.kind in UNET_KINDS:
         step = 2 ** (len(config.get("block_out_channels") or [0]) - 1)
@@ -153,6 +153,9 @@ def resolution_of(cfg: RunConfig, info: diffusion.PipelineInfo) -> int:
         patch = patch[-1] if isinstance(patch, (list, tuple)) else patch
         step = int(patch) * (2 if info.kind == "flux" else 1)
     multiple = info.vae_scale_factor * step
+    if info.medium == "audio":
+        _check_audio_length(info, resolution, multiple, cfg.data.audio_seconds)
+        return resolution
     if resolution % multiple:
         lower, upper = resolution // multiple * multiple, (resolution // multiple + 1) * multiple
         raise ConfigError(
@@ -161,6 +164,32 @@ def resolution_of(cfg: RunConfig, info: diffusion.PipelineInfo) -> int:
             f"denoiser's {step}x down-sampling); e.g. data.resolution={lower or upper} or {upper}"
         )
     return resolution
+
+
+def _check_audio_length(
+    info: diffusion.PipelineInfo, frames: int, multiple: int, seconds: float | None
+) -> None:
+    """An audio clip's mel frames (and its mel bins) must halve evenly through the VAE and
+    the UNet; a `ConfigError` naming the nearest `data.audio_seconds` that work otherwise."""
+    bins = int(info.mel_bins or 0)
+    if bins % multiple:
+        raise ConfigError(
+            f"{info.name}: its vocoder reads {bins} mel bins, which the VAE's 1/"
+            f"{info.vae_scale_factor} latents and the UNet's down-sampling cannot split into "
+            f"a multiple of {multiple}; this pipeline folder cannot train"
+        )
+    if frames % multiple == 0 and frames > 0:
+        return
+    frame_s = info.hop_length / info.sampling_rate  # type: ignore[operator]
+    lower, upper = frames // multiple * multiple, (frames // multiple + 1) * multiple
+    given = f"data.audio_seconds={seconds:g}" if seconds else "the pipeline's default length"
+    raise ConfigError(
+        f"{given}: {frames} mel frames (one per {info.hop_length} samples at "
+        f"{info.sampling_rate} Hz); {info.name}'s spectrograms take a multiple of {multiple} "
+        f"frames (the VAE's 1/{info.vae_scale_factor} latents through the UNet's "
+        f"{multiple // info.vae_scale_factor}x down-sampling); e.g. "
+        f"data.audio_seconds={(lower or upper) * frame_s:g} or {upper * frame_s:g}"
+    )
 
 
 def check_model_settings(cfg: RunConfig, info: diffusion.PipelineInfo) -> None:
@@ -193,7 +222,19 @@ def check_model_settings(cfg: RunConfig, info: diffusion.PipelineInfo) -> None:
         problems.append(
             f"data.num_frames={cfg.data.num_frames} / data.fps={cfg.data.fps} sample video "
             f"clips; {cfg.model.name_or_path} is a {info.kind} pipeline, which makes "
-            f"{info.medium}s: leave them null"
+            f"{'audio' if info.medium == 'audio' else info.medium + 's'}: leave them null"
+        )
+    if info.medium == "audio" and cfg.data.resolution is not None:
+        problems.append(
+            f"data.resolution={cfg.data.resolution} sets an image side; {cfg.model.name_or_path} "
+            "is an audio pipeline, whose spectrograms follow data.audio_seconds and the "
+            "vocoder's mel bins: leave it null"
+        )
+    if info.medium != "audio" and cfg.data.audio_seconds is not None:
+        problems.append(
+            f"data.audio_seconds={cfg.data.audio_seconds} sets the length of audio clips; "
+            f"{cfg.model.name_or_path} is a {info.kind} pipeline, which makes {info.medium}s: "
+            "leave it null"
         )
     if problems:
         raise ConfigError("; ".join(problems))
@@ -335,10 +376,10 @@ def build_data(
         train=train, eval=held_out, eval_records=captions, reports=prepared.reports,
         fingerprints=fingerprints, lengths=[1] * len(train), train_unit=unit,
     )  # fmt: skip
-    info, side = model.info, model.resolution // model.info.vae_scale_factor
+    info = model.info
     latent_shape = (
         tuple(train_entry.latents.shape[1:]) if train_entry.latents is not None
-        else (info.latent_channels, side, side)  # prompts: the latents the sampler makes
+        else (info.latent_channels, *info.latent_size(model.resolution))  # prompts: sampled
     )  # fmt: skip
     lines = [
         f"  pipeline        {model.info.describe()}",

@@ -25,6 +25,9 @@ Video kinds work the same on 5-D latents [B, C, F, h, w] (the noise draws take a
 shape, the formulas broadcast over it): the UNet-3D layout (`unet3d`) as SD, Wan (`wan`) as the
 flow kinds, its transformer given the scheduler's timestep (σ·1000) as diffusers' Wan pipeline
 gives it.
+AudioLDM (`audioldm`) is SD on latents of log-mel spectrograms ([B, C, frames/s, mels/s]), its
+UNet given the caption's CLAP embedding [B, P] as `class_labels` (no `encoder_hidden_states`),
+as `AudioLDMPipeline` calls it.
 
 A batch (`Mapping[str, Tensor]`, as `data.latents` collates it): `latents` [B, C, h, w] (scaled
 VAE latents; a video's [B, C, F, h, w]), `prompt_embeds` [B, L, D], for SDXL, SD3 and Flux `pooled_prompt_embeds` [B, P],
@@ -159,6 +162,10 @@ def predict(
     embeds = batch["prompt_embeds"]
     if info.kind in ("sd", "unet3d"):
         return denoiser(noisy, timesteps, encoder_hidden_states=embeds, return_dict=False)[0]
+    if info.kind == "audioldm":  # the text as the class embedding, no cross attention
+        return denoiser(
+            noisy, timesteps, encoder_hidden_states=None, class_labels=embeds, return_dict=False
+        )[0]  # fmt: skip
     if info.kind == "wan":
         return denoiser(
             hidden_states=noisy, timestep=timesteps, encoder_hidden_states=embeds,

@@ -6,12 +6,12 @@ outputs into files (`families.pipelines.MEDIA`). Adding a kind is a row in each 
 
 from __future__ import annotations
 
-KINDS = ("sd", "sdxl", "sd3", "flux", "unet3d", "wan")
+KINDS = ("sd", "sdxl", "sd3", "flux", "unet3d", "wan", "audioldm")
 INDEX = "model_index.json"
 
 # What each kind makes: the medium (a key of `families.pipelines.MEDIA`).
 MEDIUM = {"sd": "image", "sdxl": "image", "sd3": "image", "flux": "image", "unet3d": "video",
-          "wan": "video"}  # fmt: skip
+          "wan": "video", "audioldm": "audio"}  # fmt: skip
 
 # diffusers' pipeline class of each kind: sampling goes through it, and its
 # `save_lora_weights` writes adapters in the layout its `load_lora_weights` reads.
@@ -22,6 +22,7 @@ PIPELINE_CLASSES = {
     "flux": "FluxPipeline",
     "unet3d": "TextToVideoSDPipeline",  # ModelScope's layout (align-anything's text-to-video)
     "wan": "WanPipeline",
+    "audioldm": "AudioLDMPipeline",  # what align-anything's text-to-audio trains
 }
 # The parts each kind needs (beyond the denoiser), in the pipeline's order.
 TEXT_ENCODERS = {
@@ -31,18 +32,23 @@ TEXT_ENCODERS = {
     "flux": ("text_encoder", "text_encoder_2"),
     "unet3d": ("text_encoder",),
     "wan": ("text_encoder",),  # UMT5
+    "audioldm": ("text_encoder",),  # CLAP's text tower with its projection
 }
+# Parts beyond the denoiser, VAE, scheduler and text side that a kind's pipeline needs: loaded
+# frozen with them, handed to the pipeline and saved in `final/`.
+EXTRA_PARTS = {"audioldm": ("vocoder",)}  # SpeechT5HifiGan: mel spectrogram -> waveform
 OPTIONAL_PARTS = {"text_encoder_3", "tokenizer_3"}  # SD3 runs without its T5 (zeros instead)
 # The longest T5 prompt each flow kind's pipeline takes by default (its `__call__` default).
 DEFAULT_T5_LENGTH = {"sd3": 256, "flux": 512, "wan": 512}
 # The tokenizer part of each kind's T5 encoder.
 T5_TOKENIZER = {"sd3": "tokenizer_3", "flux": "tokenizer_2", "wan": "tokenizer"}
-# Kinds whose diffusers denoiser has no PEFT integration, so that their pipeline's
-# `load_lora_weights` cannot load an adapter (diffusers 0.42's `UNet3DConditionModel`, whose
-# pipeline is deprecated): a LoRA run of these also writes `final-merged/`.
-NO_LORA_LOADING = ("unet3d",)
+# Kinds whose pipeline cannot load an adapter with `load_lora_weights` (diffusers 0.42's
+# `UNet3DConditionModel` has no PEFT integration and its pipeline is deprecated;
+# `AudioLDMPipeline` has no LoRA loader mixin): a LoRA run of these also writes
+# `final-merged/`.
+NO_LORA_LOADING = ("unet3d", "audioldm")
 # The UNet kinds (a `block_out_channels` denoiser, epsilon or v prediction).
-UNET_KINDS = ("sd", "sdxl", "unet3d")
+UNET_KINDS = ("sd", "sdxl", "unet3d", "audioldm")
 # The frames each video kind's pipeline makes by default (its `__call__` default), for
 # `data.num_frames: null`; and the side of a kind whose denoiser config names none.
 DEFAULT_FRAMES = {"unet3d": 16, "wan": 81}

@@ -17,7 +17,7 @@ import torch
 
 from align_anything.backend import ds_config as dsc
 from align_anything.config import RunConfig, load_preset
-from align_anything.families.diffusion.pipeline import inspect_pipeline
+from align_anything.families.diffusion.pipeline import inspect_pipeline, training_resolution
 from align_anything.families.diffusion.sizes import DenoiserSizes, denoiser_sizes, frozen_part_sizes
 from align_anything.training.memory_plan import (
     PRESET_ORDER,
@@ -51,6 +51,9 @@ def _meta_conditioning(info: Any, samples: int, dtype: torch.dtype) -> dict[str,
     from align_anything.families.diffusion.kinds import T5_TOKENIZER, UNET_KINDS
 
     clip = _text_length(info, "tokenizer", 77)
+    if info.kind == "audioldm":  # one CLAP vector per caption, the UNet's class embedding
+        width = int(config["projection_class_embeddings_input_dim"])
+        return {"prompt_embeds": torch.zeros(samples, width, dtype=dtype)}
     if info.kind in UNET_KINDS:
         width, tokens = int(config["cross_attention_dim"]), clip
     elif info.kind == "wan":
@@ -126,7 +129,7 @@ def denoiser_activations(
     if key in _ACTIVATIONS:
         return _ACTIVATIONS[key]
     dtype = dsc.torch_dtype(precision)
-    side = resolution // info.vae_scale_factor
+    height, width = info.latent_size(resolution)
     saved: dict[int, torch.Tensor] = {}
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:
@@ -153,7 +156,7 @@ def denoiser_activations(
             denoiser._gradient_checkpointing_func = counted
         batch = _meta_conditioning(info, samples, dtype)
         time = () if frames is None else (frames,)
-        noisy = torch.zeros(samples, info.latent_channels, *time, side, side)
+        noisy = torch.zeros(samples, info.latent_channels, *time, height, width)
         F.scaled_dot_product_attention = _flash_attention
         try:
             with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
@@ -237,7 +240,7 @@ def estimate_memory(
 ) -> FamilyEstimates:
     """The run's estimate under every shipped preset (the kind's `estimate_memory`)."""
     info = inspect_pipeline(cfg.model.name_or_path)
-    resolution = cfg.data.resolution or info.default_resolution
+    resolution = training_resolution(info, cfg.data.resolution, cfg.data.audio_seconds)
     figures = denoiser_figures(cfg, info, precision=precision, resolution=resolution)
     estimates = [
         estimate_denoiser(
@@ -252,6 +255,8 @@ def estimate_memory(
         for name in PRESET_ORDER
     ]
     shape = f"resolution {cfg.data.resolution or 'the pipeline default'}"
+    if info.medium == "audio":
+        shape = f"{resolution} mel frames x {info.mel_bins} mels"
     frames = info.frames(cfg.data.num_frames)
     if frames is not None:
         shape += f", {frames} frames ({info.latent_frames(frames)} latent)"

@@ -188,6 +188,7 @@ class FrozenParts:
     scheduler: Any  # the folder's own (sampling)
     noise_scheduler: Any  # training: see `training_scheduler`
     max_sequence_length: int | None  # T5 tokens of SD3 / Flux prompts
+    extra: dict[str, Any] = field(default_factory=dict)  # the kind's other parts (a vocoder)
     _text_pipeline: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -206,7 +207,7 @@ class FrozenParts:
         expected, optional = cls._get_signature_keys(cls)
         parts: dict[str, Any] = {
             "vae": self.vae, "scheduler": self.scheduler, self.info.denoiser_part: denoiser,
-            **self.text_encoders, **self.tokenizers,
+            **self.text_encoders, **self.tokenizers, **self.extra,
         }  # fmt: skip
         kwargs = {name: parts.get(name) for name in expected}
         if "requires_safety_checker" in optional:
@@ -263,12 +264,16 @@ class FrozenParts:
     def encode_prompts(self, captions: Sequence[str]) -> dict[str, torch.Tensor]:
         """The text conditioning of each caption, through the kind's own pipeline
         `encode_prompt` (so training sees exactly what sampling feeds the denoiser):
-        `prompt_embeds` [B, L, D] and, except for SD 1.x/2.x, `pooled_prompt_embeds` [B, P]."""
+        `prompt_embeds` [B, L, D] and, except for SD 1.x/2.x, `pooled_prompt_embeds` [B, P];
+        AudioLDM's `prompt_embeds` are one vector per caption, [B, P] (its pipeline's
+        `_encode_prompt`: it has no public one), which its UNet takes as a class embedding."""
         if self._text_pipeline is None:  # built once: the meta denoiser takes a moment
             self._text_pipeline = self.pipeline(None)
         pipe = self._text_pipeline
         captions, device = list(captions), self.device
         kind = self.info.kind
+        if kind == "audioldm":  # CLAP's projected text embedding, L2-normalised: [B, P]
+            return {"prompt_embeds": pipe._encode_prompt(captions, device, 1, False)}
         if kind in ("sd", "unet3d"):
             embeds, _ = pipe.encode_prompt(captions, device, 1, False)
             return {"prompt_embeds": embeds}
@@ -310,6 +315,7 @@ def load_frozen_parts(
         vae = _frozen(_load_part(info, "vae", dtype), device)
         encoders = {p: _frozen(_load_part(info, p, dtype), device) for p in info.text_encoders}
         tokenizers = {p: _load_part(info, p, None) for p in info.tokenizers}
+        extra = {p: _frozen(_load_part(info, p, dtype), device) for p in info.extra_parts}
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # "steps_offset should be 1" of old SD folders
     try:
@@ -323,7 +329,7 @@ def load_frozen_parts(
         length = min(DEFAULT_T5_LENGTH[info.kind], int(limit))
     return FrozenParts(
         info=info, vae=vae, text_encoders=encoders, tokenizers=tokenizers, scheduler=scheduler,
-        noise_scheduler=training_scheduler(info), max_sequence_length=length,
+        noise_scheduler=training_scheduler(info), max_sequence_length=length, extra=extra,
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ per part). The kind follows from the denoiser's class and the parts present:
 | `flux` | `FluxTransformer2DModel` | CLIP (pooled) + T5 | flow velocity; packed latents, guidance embedding |
 | `unet3d` (ModelScope text-to-video) | `UNet3DConditionModel` | one CLIP | epsilon or v; latents [C, F, h, w] of a 2-D VAE, frame by frame |
 | `wan` (Wan 2.1) | `WanTransformer3DModel` | UMT5 | flow velocity; latents of a causal 3-D VAE (4x in time), per-channel mean and std |
+| `audioldm` (AudioLDM) | `UNet2DConditionModel` given the text as its class embedding | CLAP (projected, L2-normalised) | epsilon or v; latents of a 1-channel VAE over log-mel spectrograms [1, frames, mels]; a HiFi-GAN vocoder |
 
 `inspect_pipeline` reads only JSON files (the start-up checks and the memory planner need no
 weights); loading the parts for training is `parts`.
@@ -19,6 +20,7 @@ weights); loading the parts for training is `parts`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from align_anything.errors import ModelError, did_you_mean
 from align_anything.families.diffusion.kinds import (
     DEFAULT_FRAMES,
     DEFAULT_RESOLUTION,
+    EXTRA_PARTS,
     INDEX,
     MEDIUM,
     OPTIONAL_PARTS,
@@ -69,6 +72,11 @@ class PipelineInfo:
     temporal_scale_factor: int = 1
     latents_mean: tuple[float, ...] | None = None
     latents_std: tuple[float, ...] | None = None
+    # An audio kind's vocoder: its sampling rate, the waveform samples per mel frame (the
+    # product of its upsampling rates: the STFT hop) and the mel bins it reads.
+    sampling_rate: int | None = None
+    hop_length: int | None = None
+    mel_bins: int | None = None
 
     @property
     def flow(self) -> bool:
@@ -94,6 +102,25 @@ class PipelineInfo:
             return None
         return int(num_frames or DEFAULT_FRAMES[self.kind])
 
+    @property
+    def extra_parts(self) -> tuple[str, ...]:
+        """Parts beyond the denoiser, VAE, scheduler and text side (AudioLDM's vocoder)."""
+        return EXTRA_PARTS.get(self.kind, ())
+
+    def latent_size(self, resolution: int) -> tuple[int, int]:
+        """The latent (height, width) of one training input at `resolution`: a square image's
+        side over the VAE's scale, or for audio (`resolution`: mel frames) the frames and the
+        mel bins over it."""
+        side = resolution // self.vae_scale_factor
+        if self.medium == "audio":
+            return side, int(self.mel_bins or 0) // self.vae_scale_factor
+        return side, side
+
+    def mel_frames(self, seconds: float) -> int:
+        """Mel frames of `seconds` of audio (one per `hop_length` samples)."""
+        assert self.sampling_rate and self.hop_length, f"{self.kind} is not an audio kind"
+        return round(seconds * self.sampling_rate / self.hop_length)
+
     def latent_frames(self, frames: int) -> int:
         """Latent frames of a clip of `frames` (a causal 3-D VAE keeps the first frame and
         compresses the rest `temporal_scale_factor` times)."""
@@ -104,11 +131,23 @@ class PipelineInfo:
 
     def describe(self) -> str:
         """One line for the start-up summary."""
+        side = "spectrogram's frames and mels" if self.medium == "audio" else "image side"
         return (
             f"{self.kind} ({self.denoiser_class}, {self.prediction} target; text encoders: "
             f"{', '.join(self.text_encoders)}; latents {self.latent_channels} channels, "
-            f"1/{self.vae_scale_factor} of the image side)"
+            f"1/{self.vae_scale_factor} of the {side})"
         )
+
+
+def training_resolution(
+    info: PipelineInfo, resolution: int | None, audio_seconds: float | None
+) -> int:
+    """The side the data are prepared at: for images and video `data.resolution` (null: the
+    pipeline's own), for audio the mel frames of `data.audio_seconds` (null: the pipeline's
+    own, its UNet's sample size x the VAE's scale, as `AudioLDMPipeline` defaults)."""
+    if info.medium == "audio":
+        return info.mel_frames(audio_seconds) if audio_seconds else info.default_resolution
+    return resolution or info.default_resolution
 
 
 def is_pipeline_folder(path: str | Path) -> bool:
@@ -177,7 +216,7 @@ def resolve_pipeline_path(name_or_path: str) -> Path:
             raise _not_a_pipeline(name_or_path, folder)
         return folder
     if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
-        names = names_of("text_to_image") + names_of("text_to_video")
+        names = names_of("text_to_image") + names_of("text_to_video") + names_of("text_to_audio")
         hint = did_you_mean(name_or_path, names)
         raise ModelError(
             f"model.name_or_path={name_or_path!r}: no such folder{hint}; built-in pipelines: "
@@ -212,6 +251,13 @@ def _kind(name: str, index: dict[str, Any], denoiser_class: str, config: dict) -
         return "unet3d"
     if denoiser_class == "WanTransformer3DModel":
         return "wan"
+    if denoiser_class == "UNet2DConditionModel" and _component(index, "vocoder") is not None:
+        if index.get("_class_name") == "AudioLDMPipeline":
+            return "audioldm"
+        raise ModelError(
+            f"model.name_or_path={name!r} is a {index.get('_class_name')} (a UNet with a "
+            "vocoder); of the text-to-audio pipelines only AudioLDMPipeline trains here"
+        )
     if denoiser_class == "UNet2DConditionModel":
         if config.get("addition_embed_type") == "text_time":
             if _component(index, "text_encoder") is None:
@@ -225,7 +271,8 @@ def _kind(name: str, index: dict[str, Any], denoiser_class: str, config: dict) -
         f"model.name_or_path={name!r}: its denoiser is a {denoiser_class}, which no diffusion "
         "task here trains; supported: UNet2DConditionModel (SD 1.x/2.x, SDXL), "
         "SD3Transformer2DModel (SD3), FluxTransformer2DModel (Flux), UNet3DConditionModel "
-        "(ModelScope text-to-video), WanTransformer3DModel (Wan 2.1)"
+        "(ModelScope text-to-video), WanTransformer3DModel (Wan 2.1), UNet2DConditionModel "
+        "with a vocoder (AudioLDM)"
     )
 
 
@@ -260,7 +307,15 @@ def inspect_pipeline(name_or_path: str) -> PipelineInfo:
     config = _read_json(folder / denoiser_part / "config.json", what)
     kind = _kind(name_or_path, index, denoiser_class, config)
     encoders = [p for p in TEXT_ENCODERS[kind] if p not in OPTIONAL_PARTS or _component(index, p)]
-    _check_parts(name_or_path, folder, index, [x for p in encoders for x in (p, _tokenizer_of(p))])
+    _check_parts(name_or_path, folder, index,
+                 [x for p in encoders for x in (p, _tokenizer_of(p))] + list(EXTRA_PARTS.get(kind, ())))  # fmt: skip
+    audio: dict[str, Any] = {}
+    if kind == "audioldm":  # the vocoder's config says the waveform's rate and mel frames
+        vocoder = _read_json(folder / "vocoder" / "config.json", what)
+        rates = [int(r) for r in vocoder.get("upsample_rates") or [1]]
+        audio = {"sampling_rate": int(vocoder.get("sampling_rate") or 16000),
+                 "hop_length": math.prod(rates),
+                 "mel_bins": int(vocoder.get("model_in_dim") or 64)}  # fmt: skip
     scheduler = _read_json(folder / "scheduler" / "scheduler_config.json", what)
     vae = _read_json(folder / "vae" / "config.json", what)
     if kind in ("sd3", "flux", "wan"):
@@ -290,5 +345,5 @@ def inspect_pipeline(name_or_path: str) -> PipelineInfo:
         components=index, denoiser_config=config, scheduler_config=scheduler,
         temporal_scale_factor=int(vae.get("scale_factor_temporal") or 1),
         latents_mean=tuple(vae["latents_mean"]) if per_channel else None,
-        latents_std=tuple(vae["latents_std"]) if per_channel else None,
+        latents_std=tuple(vae["latents_std"]) if per_channel else None, **audio,
     )  # fmt: skip

@@ -32,19 +32,17 @@ def denoiser_sizes(info: PipelineInfo, *, adapters: dict[str, Any] | None = None
 
 
 def frozen_part_sizes(info: PipelineInfo) -> dict[str, int]:
-    """Parameter counts of a pipeline's frozen parts (VAE, text encoders), each built from its
+    """Parameter counts of a pipeline's frozen parts (VAE, text encoders, a vocoder), each built from its
     config on the meta device (no weights read)."""
     counts = {}
-    for part in ("vae", *info.text_encoders):
+    for part in ("vae", *info.text_encoders, *info.extra_parts):
         library, class_name = info.components[part]
         cls = getattr(importlib.import_module(library), class_name)
         folder = str(info.part_path(part))
         with torch.device("meta"):
             if library == "diffusers":
                 model = cls.from_config(cls.load_config(folder))
-            else:
-                from transformers import AutoConfig
-
-                model = cls(AutoConfig.from_pretrained(folder))
+            else:  # the class's own config (AutoConfig does not know SpeechT5HifiGan's)
+                model = cls(cls.config_class.from_pretrained(folder))
         counts[part] = sum(p.numel() for p in model.parameters())
     return counts

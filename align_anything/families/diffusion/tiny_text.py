@@ -4,8 +4,11 @@ medium (`families/*/tiny.py`): built here, offline, from config, seeded by the c
 - `clip_tokenizer`: a CLIP BPE tokenizer over the 256 byte symbols (each with and without
   CLIP's end-of-word mark, no merges: one token per character);
 - `t5_tokenizer`: a T5 unigram tokenizer over letters, digits and a little punctuation;
+- `roberta_tokenizer`: a RoBERTa byte-level BPE tokenizer over the 256 byte symbols (no
+  merges: one token per byte), CLAP's tokenizer;
 - `clip_text_encoder`, `t5_text_encoder` (`umt5=True`: UMT5, Wan's text encoder): two layers,
-  width 32.
+  width 32; `clap_text_encoder`: CLAP's text tower with its projection (AudioLDM's), one
+  layer.
 
 Real tokenizers and encoders with tiny vocabularies and widths: the tests exercise the very
 code paths a full-size pipeline takes.
@@ -43,6 +46,39 @@ def t5_tokenizer() -> Any:
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
     pieces += [(f"▁{c}", -2.5) for c in symbols] + [(c, -3.0) for c in symbols]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=T5_MAX_LENGTH)
+
+
+ROBERTA_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # RoBERTa's ids 0-3; <mask> is last
+ROBERTA_MAX_LENGTH = 77  # AudioLDM's tokenizer pads every prompt to its model_max_length
+CLAP_WIDTH = 32
+CLAP_PROJECTION = 16
+
+
+def roberta_tokenizer() -> Any:
+    """A real RoBERTa tokenizer with a tiny vocabulary: one token per byte."""
+    from tokenizers import pre_tokenizers
+    from transformers import RobertaTokenizer
+
+    vocab = {s: i for i, s in enumerate(ROBERTA_SPECIALS)}
+    for symbol in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[symbol] = len(vocab)
+    vocab["<mask>"] = len(vocab)
+    return RobertaTokenizer(vocab=vocab, merges=[], model_max_length=ROBERTA_MAX_LENGTH)
+
+
+def clap_text_encoder() -> Any:
+    """CLAP's text tower with its projection (`ClapTextModelWithProjection`, AudioLDM's text
+    encoder): one layer of width 32 over `roberta_tokenizer`'s vocabulary, projected to 16."""
+    from transformers import ClapTextConfig, ClapTextModelWithProjection
+
+    config = ClapTextConfig(
+        vocab_size=len(ROBERTA_SPECIALS) + 256 + 1, hidden_size=CLAP_WIDTH,
+        intermediate_size=2 * CLAP_WIDTH, num_hidden_layers=1, num_attention_heads=2,
+        # RoBERTa's positions start after the padding id (1): 2 + the longest prompt.
+        max_position_embeddings=ROBERTA_MAX_LENGTH + 2, bos_token_id=0, pad_token_id=1,
+        eos_token_id=2, projection_dim=CLAP_PROJECTION,
+    )  # fmt: skip
+    return ClapTextModelWithProjection(config)
 
 
 def clip_text_encoder(*, projection: bool = False) -> Any:

@@ -47,6 +47,7 @@ import numpy as np
 from align_anything.data.formats import DataReport, pick_column
 from align_anything.data.media import MAX_IMAGE_PIXELS, MediaUnreadable, load_image, probe_image
 from align_anything.errors import DataError
+from align_anything.families.diffusion.rows import RowProblems as _Problems
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 METADATA = "metadata.jsonl"
@@ -59,7 +60,6 @@ TIE = "tie (label_0 = 0.5: neither image preferred)"
 IDENTICAL = "identical images (jpg_0 and jpg_1 are the same file: nothing to prefer)"
 # Schema metadata of a JSON-lines table: the columns whose values mix types (kept as JSON text).
 _JSON_COLUMNS = b"align_anything.json_columns"
-MAX_SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -109,29 +109,6 @@ class ImageSource:
     report: DataReport
     data_files: list[Path]
     image_files: list[Path]
-
-
-class _Problems:
-    """Bad rows of one source, collected so that one error names them all."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.found: list[str] = []
-
-    def add(self, row: str, problem: str) -> None:
-        self.found.append(f"{row}: {problem}")
-
-    def raise_any(self, hint: str) -> None:
-        if not self.found:
-            return
-        shown = "\n  ".join(self.found[:MAX_SHOWN])
-        more = (
-            f"\n  ... and {len(self.found) - MAX_SHOWN} more" if len(self.found) > MAX_SHOWN else ""
-        )
-        raise DataError(
-            f"{len(self.found)} row(s) of {self.where} cannot be used (numbered from 1 as in "
-            f"the file):\n  {shown}{more}\n{hint}"
-        )
 
 
 def _caption(value: Any, row: str, column: str, problems: _Problems) -> str | None:

@@ -50,6 +50,10 @@ import numpy as np
 
 from align_anything.data.formats import DataReport, pick_column
 from align_anything.errors import DataError
+from align_anything.families.diffusion.rows import RowProblems as _Problems
+from align_anything.families.diffusion.rows import caption_text as _caption
+from align_anything.families.diffusion.rows import read_table as _table
+from align_anything.families.diffusion.rows import where as _where
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".gif", ".mkv", ".mov", ".avi", ".m4v")
 FRAME_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -62,7 +66,6 @@ SAFESORA_COLUMNS = {"caption": ("prompt_text",), "video_0": ("video_0",), "video
 GENERIC_PAIR_COLUMNS = {"caption": ("prompt",), "chosen": ("chosen",), "rejected": ("rejected",)}
 TIES = ("equal", "tie", "same")
 TIE = "tie (neither video preferred)"
-MAX_SHOWN = 5
 # Seconds a frame's time may lie after a sampled time and still be the frame shown then:
 # container times are rounded to their time base (a GIF's to 10 ms).
 TIME_SLACK = 0.002
@@ -274,32 +277,6 @@ class Sampling:
     fps: float | None
 
 
-class _Problems:
-    """Bad rows of one source, collected so that one error names them all."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.found: list[str] = []
-
-    def add(self, row: str, problem: str) -> None:
-        self.found.append(f"{row}: {problem}")
-
-    def raise_any(self, hint: str) -> None:
-        if not self.found:
-            return
-        shown = "\n  ".join(self.found[:MAX_SHOWN])
-        more = (f"\n  ... and {len(self.found) - MAX_SHOWN} more"
-                if len(self.found) > MAX_SHOWN else "")  # fmt: skip
-        raise DataError(
-            f"{len(self.found)} row(s) of {self.where} cannot be used (numbered from 1 as in "
-            f"the file):\n  {shown}{more}\n{hint}"
-        )
-
-
-def _caption(value: Any) -> str | None:
-    return value.strip() if isinstance(value, str) and value.strip() else None
-
-
 def check_clip(ref: VideoRef, sampling: Sampling) -> str | None:
     """Why the clip cannot be sampled (unreadable, empty, too short, a rate below data.fps),
     or None."""
@@ -338,26 +315,6 @@ def _cell(table: Any, column: str, index: int) -> Any:
         return {"bytes": b"" if value["bytes"].is_valid else None,
                 "path": value["path"].as_py() if "path" in value.type.names else None}  # fmt: skip
     return value.as_py()
-
-
-def _table(path: str) -> tuple[Any, Any, list[Path], Path]:
-    """(Arrow table, row names, files, base folder for relative paths) of a data file or
-    folder of data files, through `data.sources.load_dataset`."""
-    from align_anything.data.sources import JSON_LINE, columns_of, load_dataset, row_dicts
-
-    dataset, _, names, files = load_dataset(path, "train")
-    local = Path(path).expanduser()
-    base = local.resolve() if local.is_dir() else local.resolve().parent
-    if JSON_LINE in dataset.column_names:
-        import pyarrow as pa
-
-        table = pa.Table.from_pylist(row_dicts(dataset[:], columns_of(dataset)))
-        return table, names, files, base
-    return dataset.data, names, files, base
-
-
-def _where(path: str, files: list[Path]) -> str:
-    return f"data file {files[0]}" if len(files) == 1 else f"data {path}"
 
 
 def _source(path: str, kind: str, items: list, total: int, data_files: list[Path],
