@@ -242,9 +242,9 @@ def test_every_other_preset_ran_its_stage(
 
 
 # Two ranks sum a step's gradients in another order, and DeepSpeed's CPU Adam rounds otherwise
-# than torch's: the losses of step 2 and after training may differ from the one-process run's
-# in float32 rounding (~1e-7 relative); a step that trained otherwise (another batch, a
-# gradient lost on a rank, no update) moves them by ~1e-4 at lr 1e-3.
+# than torch's: the losses of step 2 and after training differ from the one-process run's in
+# float32 rounding (measured: up to 7e-7 relative); one LoRA step at lr 1e-3 moves the
+# policy's MSE from the reference's by 6e-4 relative, two full steps the eval loss by 10%.
 DIST_REL = 1e-5
 
 
@@ -262,9 +262,9 @@ def test_two_ranks_under_zero3_equal_one_rank_with_lora(
     for step in (1, 2):
         for key in keys:
             assert two[step][key] == pytest.approx(one[step][key], rel=DIST_REL), (step, key)
-    assert abs(one[2]["mse/policy_chosen"] - one[1]["mse/policy_chosen"]) > (
-        10 * DIST_REL * one[1]["mse/policy_chosen"]
-    )  # the step moved the policy by more than the tolerance
+    assert abs(one[2]["mse/policy_chosen"] - one[2]["mse/ref_chosen"]) > (
+        10 * DIST_REL * one[2]["mse/ref_chosen"]
+    )  # step 1 moved the policy from the reference by more than the tolerance
     for phase in ("before", "after"):
         for key in ("eval/loss", "eval/mse/policy_chosen", "eval/mse/ref_chosen"):
             assert dpo_z3_lora_2ranks.eval(phase)[key] == pytest.approx(
