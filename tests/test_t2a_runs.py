@@ -1,10 +1,23 @@
 """The text-to-audio family end to end, through the real entry point on the tiny random
-AudioLDM pipeline and a few tones in every audio format: `diffusion_sft` and `diffusion_dpo`
-at z0 on one rank, two steps each (one module-scoped fixture runs both), their first step's
+AudioLDM pipeline and a few tones in every audio format, two steps a run: `diffusion_sft` and
+`diffusion_dpo` at z0 on one rank (one module-scoped fixture runs both), their first step's
 losses against the same step written out with diffusers and transformers by hand (the noise
-and timestep each row's seed gives); what comes out loads with `AudioLDMPipeline` and makes a
-waveform; samples are WAV files with a spectrogram grid; and the settings an audio pipeline
-cannot take are refused."""
+and timestep each row's seed gives); every other preset against a one-process run of the
+same task: LoRA under ZeRO-3 on 2 ranks against LoRA under ZeRO-2 on 1, a full fine-tune
+under ZeRO-3 with CPU offload against the one at z0; what comes out loads with
+`AudioLDMPipeline` and makes a waveform (`AudioLDMPipeline` has no LoRA loader: the adapter,
+written in the UNet's layout, loads into its UNet with `load_lora_adapter` and equals
+`final-merged/`); samples are WAV files with a spectrogram grid; and the settings an audio
+pipeline cannot take are refused.
+
+| run | task | preset | LoRA | ranks | checked against |
+| --- | --- | --- | --- | --- | --- |
+| sft | sft | z0 | - | 1 | diffusers by hand |
+| dpo | dpo | z0 | - | 1 | diffusers by hand |
+| dpo_z2_lora | dpo | z2 | LoRA | 1 | dpo (step 1) |
+| dpo_z3_lora_2ranks | dpo | z3 | LoRA | 2 | dpo_z2_lora |
+| sft_z3_offload | sft | z3_offload | - | 1 | sft |
+"""
 
 from __future__ import annotations
 
@@ -16,7 +29,7 @@ import numpy as np
 import pytest
 import t2a_data
 import torch
-from conftest import RunResult, run_inline
+from conftest import RunResult, launch, run_inline
 from safetensors.torch import load_file
 
 from align_anything.families.text_to_audio import audio as a
@@ -40,6 +53,18 @@ class Runs(NamedTuple):
     dpo: RunResult
 
 
+def sft_args(root: Path) -> list[str]:
+    return [*FAST, "task=diffusion_sft", f"data.path={root / 'train'}",
+            f"data.eval_path={root / 'eval'}", "diffusion_sft.eval_draws=1",
+            "diffusion_sft.check_samples=0", "diffusion_sft.sample_steps=1"]  # fmt: skip
+
+
+def dpo_args(root: Path) -> list[str]:
+    return [*FAST, "task=diffusion_dpo", f"data.path={root / 'pairs' / 'pairs.jsonl'}",
+            f"data.eval_path={root / 'pairs-eval' / 'pairs.jsonl'}", "diffusion_dpo.beta=10",
+            "diffusion_dpo.check_samples=0", "diffusion_dpo.sample_steps=1"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """Both tasks' runs: 2 captioned clips (2 held out), 2 pairs (2 held out)."""
@@ -48,15 +73,34 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     t2a_data.captioned_folder(root / "eval", 2)
     t2a_data.pair_file(root / "pairs", 2)
     t2a_data.pair_file(root / "pairs-eval", 2)
-    sft = run_inline([*FAST, "task=diffusion_sft", f"data.path={root / 'train'}",
-                      f"data.eval_path={root / 'eval'}", "diffusion_sft.eval_draws=1",
-                      "diffusion_sft.check_samples=0", "diffusion_sft.sample_steps=1"],
-                     root / "sft").check()  # fmt: skip
-    dpo = run_inline([*FAST, "task=diffusion_dpo", f"data.path={root / 'pairs' / 'pairs.jsonl'}",
-                      f"data.eval_path={root / 'pairs-eval' / 'pairs.jsonl'}",
-                      "diffusion_dpo.beta=10", "diffusion_dpo.check_samples=0",
-                      "diffusion_dpo.sample_steps=1"], root / "dpo").check()  # fmt: skip
+    sft = run_inline(sft_args(root), root / "sft").check()
+    dpo = run_inline(dpo_args(root), root / "dpo").check()
     return Runs(root, sft, dpo)
+
+
+LORA = ["model.lora.enabled=true"]
+
+
+@pytest.fixture(scope="module")
+def dpo_z2_lora(runs: Runs) -> RunResult:
+    """One process: what 2 ranks are held to."""
+    return run_inline([*dpo_args(runs.data), *LORA, "deepspeed=z2"],
+                      runs.data / "dpo_z2_lora").check()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dpo_z3_lora_2ranks(runs: Runs) -> RunResult:
+    """The same 2 pairs a step, one a rank, through the deepspeed launcher."""
+    overrides = [*dpo_args(runs.data), *LORA, "deepspeed=z3", "train.per_device_batch_size=1"]
+    return launch(overrides, runs.data / "dpo_z3_lora_2ranks", launcher="deepspeed", nproc=2,
+                  timeout_s=600).check()  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sft_z3_offload(runs: Runs) -> RunResult:
+    """A first z3_offload run in a fresh environment compiles DeepSpeed's CPU Adam (minutes)."""
+    return run_inline([*sft_args(runs.data), "deepspeed=z3_offload"],
+                      runs.data / "sft_z3_offload").check()  # fmt: skip
 
 
 class ByHand:
@@ -162,13 +206,17 @@ def test_the_first_dpo_step_is_diffusers_by_hand(runs: Runs, by_hand: ByHand) ->
     assert after["eval/mse/policy_chosen"] != before["eval/mse/policy_chosen"]
 
 
+def base_unet() -> dict[str, torch.Tensor]:
+    from align_anything.families.zoo import resolve_model_path
+
+    path = Path(resolve_model_path(MODEL)) / "unet" / "diffusion_pytorch_model.safetensors"
+    return load_file(str(path))
+
+
 def test_final_loads_with_audioldm_and_makes_a_waveform(runs: Runs) -> None:
     from diffusers import AudioLDMPipeline
 
-    from align_anything.families.zoo import resolve_model_path
-
-    base = load_file(str(Path(resolve_model_path(MODEL)) / "unet" /
-                         "diffusion_pytorch_model.safetensors"))  # fmt: skip
+    base = base_unet()
     for result in (runs.sft, runs.dpo):
         final = result.output_dir / "final"
         trained = load_file(str(final / "unet" / "diffusion_pytorch_model.safetensors"))
@@ -178,6 +226,127 @@ def test_final_loads_with_audioldm_and_makes_a_waveform(runs: Runs) -> None:
     wave = pipe("a low hum", num_inference_steps=2, audio_length_in_s=0.64,
                 generator=torch.Generator().manual_seed(0)).audios[0]  # fmt: skip
     assert wave.shape == (10240,) and np.isfinite(wave).all() and float(np.abs(wave).max()) > 0
+
+
+def test_every_other_preset_ran_its_stage(
+    dpo_z2_lora: RunResult, dpo_z3_lora_2ranks: RunResult, sft_z3_offload: RunResult
+) -> None:
+    for result, stage in ((dpo_z2_lora, 2), (dpo_z3_lora_2ranks, 3), (sft_z3_offload, 3)):
+        assert result.zero_stage() == stage, result.output_dir
+        steps = result.train_steps()
+        assert [m["step"] for m in steps] == [1, 2]
+        assert all(math.isfinite(m["loss"]) for m in steps)
+        assert "latents 4x32x8" in result.summary_line("resolution")
+    assert "LoRA r=16" in dpo_z3_lora_2ranks.output
+    assert "offload" in sft_z3_offload.output and "cpu" in sft_z3_offload.summary_line("ds config")
+
+
+# Two ranks sum a step's gradients in another order, and DeepSpeed's CPU Adam rounds otherwise
+# than torch's: the losses of step 2 and after training differ from the one-process run's in
+# float32 rounding (measured: up to 7e-7 relative); one LoRA step at lr 1e-3 moves the
+# policy's MSE from the reference's by 6e-4 relative, two full steps the eval loss by 10%.
+DIST_REL = 1e-5
+
+
+def test_two_ranks_under_zero3_equal_one_rank_with_lora(
+    runs: Runs, dpo_z2_lora: RunResult, dpo_z3_lora_2ranks: RunResult
+) -> None:
+    """The same 2 pairs a step, split over 2 ranks (micro 1) under ZeRO-3 or whole in one
+    process, give the same losses: the draws depend on each pair's row alone. Step 1 (the
+    adapters' B at zero) is also the full fine-tune's, checked by hand above."""
+    one = {m["step"]: m for m in dpo_z2_lora.train_steps()}
+    two = {m["step"]: m for m in dpo_z3_lora_2ranks.train_steps()}
+    keys = ("loss", "mse/policy_chosen", "mse/policy_rejected", "mse/ref_chosen")
+    for key in keys:
+        assert one[1][key] == pytest.approx(runs.dpo.train_steps()[0][key], rel=REL), key
+    for step in (1, 2):
+        for key in keys:
+            assert two[step][key] == pytest.approx(one[step][key], rel=DIST_REL), (step, key)
+    assert abs(one[2]["mse/policy_chosen"] - one[2]["mse/ref_chosen"]) > (
+        10 * DIST_REL * one[2]["mse/ref_chosen"]
+    )  # step 1 moved the policy from the reference by more than the tolerance
+    for phase in ("before", "after"):
+        for key in ("eval/loss", "eval/mse/policy_chosen", "eval/mse/ref_chosen"):
+            assert dpo_z3_lora_2ranks.eval(phase)[key] == pytest.approx(
+                dpo_z2_lora.eval(phase)[key], rel=DIST_REL
+            ), (phase, key)
+
+
+def test_zero3_with_cpu_offload_equals_zero0(runs: Runs, sft_z3_offload: RunResult) -> None:
+    """Partitioned weights, optimizer state on the CPU and DeepSpeed's CPU Adam: the same
+    losses and, after two steps, the same UNet as the plain run."""
+    for plain, offload in zip(runs.sft.train_steps(), sft_z3_offload.train_steps(), strict=True):
+        assert offload["loss"] == pytest.approx(plain["loss"], rel=DIST_REL), plain["step"]
+    for phase in ("before", "after"):
+        assert sft_z3_offload.eval(phase)["eval/loss"] == pytest.approx(
+            runs.sft.eval(phase)["eval/loss"], rel=DIST_REL
+        )
+    weights = "unet/diffusion_pytorch_model.safetensors"
+    plain = load_file(str(runs.sft.output_dir / "final" / weights))
+    offload = load_file(str(sft_z3_offload.output_dir / "final" / weights))
+    base = base_unet()
+    assert plain.keys() == offload.keys()
+    moved = sum(float((plain[k] - base[k]).double().square().sum()) for k in base)
+    diff = sum(float((offload[k] - plain[k]).double().square().sum()) for k in base)
+    assert moved > 0 and diff**0.5 <= 0.01 * moved**0.5  # the same update, to 1%
+
+
+def adapter(result: RunResult) -> dict[str, torch.Tensor]:
+    """The adapter a LoRA run wrote: in Stable Diffusion's UNet layout, its B matrices trained."""
+    weights = load_file(str(result.output_dir / "final" / "pytorch_lora_weights.safetensors"))
+    assert weights and all(k.startswith("unet.") for k in weights)
+    ups = [v for k, v in weights.items() if "lora.up" in k or "lora_B" in k]
+    assert ups and any(float(v.abs().max()) > 0 for v in ups)  # B starts at zero: trained
+    return weights
+
+
+def test_lora_adapters_load_into_the_unet_and_equal_final_merged(
+    dpo_z2_lora: RunResult, dpo_z3_lora_2ranks: RunResult
+) -> None:
+    """diffusers 0.42's `AudioLDMPipeline` has no `load_lora_weights`: its UNet (a
+    `UNet2DConditionModel`) takes the adapter with `load_lora_adapter`, and then predicts what
+    `final-merged/`'s UNet, the adapter folded in, predicts; `final-merged/` makes a waveform;
+    the reference (adapters disabled) never moved."""
+    from diffusers import AudioLDMPipeline
+
+    from align_anything.families.zoo import resolve_model_path
+
+    generator = torch.Generator().manual_seed(0)
+    noisy = torch.randn(1, 4, 32, 8, generator=generator)
+    embeds = torch.nn.functional.normalize(torch.randn(1, 16, generator=generator), dim=-1)
+    for result in (dpo_z2_lora, dpo_z3_lora_2ranks):
+        weights = adapter(result)
+        pipe = AudioLDMPipeline.from_pretrained(resolve_model_path(MODEL))
+        with torch.no_grad():
+            base = pipe.unet(noisy, 500, encoder_hidden_states=None, class_labels=embeds).sample
+        pipe.unet.load_lora_adapter(
+            str(result.output_dir / "final"), prefix="unet", use_safetensors=True
+        )
+        loaded = [n for n, _ in pipe.unet.named_parameters() if "lora" in n]
+        assert len(loaded) == len(weights)
+        merged = AudioLDMPipeline.from_pretrained(str(result.output_dir / "final-merged"))
+        with torch.no_grad():
+            adapted = pipe.unet(noisy, 500, encoder_hidden_states=None, class_labels=embeds)
+            folded = merged.unet(noisy, 500, encoder_hidden_states=None, class_labels=embeds)
+        torch.testing.assert_close(adapted.sample, folded.sample, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(adapted.sample, base, rtol=1e-4, atol=1e-5)  # it did move
+        before, after = result.eval("before"), result.eval("after")
+        assert after["eval/mse/ref_chosen"] == before["eval/mse/ref_chosen"]
+        assert after["eval/mse/policy_chosen"] != before["eval/mse/policy_chosen"]
+    wave = merged("a low hum", num_inference_steps=2, audio_length_in_s=0.64,
+                  generator=torch.Generator().manual_seed(0)).audios[0]  # fmt: skip
+    assert wave.shape == (10240,) and np.isfinite(wave).all() and float(np.abs(wave).max()) > 0
+    one, two = adapter(dpo_z2_lora), adapter(dpo_z3_lora_2ranks)
+    # Adam's first steps move each weight by about lr (1e-3) whatever its gradient's size, so a
+    # near-zero gradient summed in another order (2 ranks) may move a weight by up to a step
+    # differently. The adapters as a whole must agree to 1% (an adapter initialised otherwise
+    # differs by ~100%), every A matrix (initialised from train.seed) to a step.
+    assert one.keys() == two.keys()
+    diff = sum(float((two[k] - one[k]).double().square().sum()) for k in one)
+    norm = sum(float(one[k].double().square().sum()) for k in one)
+    assert diff**0.5 <= 0.01 * norm**0.5
+    for key in (k for k in one if "lora.down" in k or "lora_A" in k):
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=2e-3)
 
 
 def test_samples_are_wav_files_with_a_spectrogram_grid(runs: Runs) -> None:
