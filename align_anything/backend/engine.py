@@ -222,10 +222,10 @@ class Engine:
     def step(self) -> None:
         """Optimizer step at the accumulation boundary (DeepSpeed counts micro-steps)."""
         if self.engine.is_gradient_accumulation_boundary():
-            self._grad_norm = self._measure_grad_norm()
+            self._grad_norm = self._clip_plain_gradients()
         self.engine.step()
 
-    def _measure_grad_norm(self) -> float | None:
+    def _clip_plain_gradients(self) -> float | None:
         """The global norm of plain gradients (already all-reduced), and their clipping (see
         __init__). ZeRO and the mixed-precision optimizers record the norm themselves (read
         after the step): None."""

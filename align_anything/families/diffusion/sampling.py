@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -26,14 +26,16 @@ import torch
 from align_anything.families.diffusion.parts import FrozenParts
 
 
-def sample_images(
-    parts: FrozenParts, prompts: Sequence[str], seeds: Sequence[int], *, resolution: int,
-    steps: int = 20, guidance_scale: float | None = None, batch_size: int = 8,
-    denoiser: torch.nn.Module | None = None,
-    gathered: Callable[[], AbstractContextManager[torch.nn.Module]] | None = None,
+def sample_with_pipeline(
+    parts: FrozenParts, prompts: Sequence[str], seeds: Sequence[int], *,
+    pipeline_kwargs: Mapping[str, Any], outputs: Callable[[Any], list[Any]], steps: int,
+    guidance_scale: float | None, batch_size: int, denoiser: torch.nn.Module | None,
+    gathered: Callable[[], AbstractContextManager[torch.nn.Module]] | None,
 ) -> list[Any]:  # fmt: skip
-    """One PIL image per (prompt, seed) pair, `resolution` pixels square, in `steps` steps of
-    the folder's own sampler, at `guidance_scale` (None: the pipeline's default). Give the
+    """What every medium's sampler shares: one output per (prompt, seed) pair, in `steps`
+    steps of the folder's own sampler, at `guidance_scale` (None: the pipeline's default),
+    `batch_size` prompts per pipeline call with the medium's `pipeline_kwargs` (its size and
+    output type), `outputs` taking the call's result to one item per prompt. Give the
     denoiser either as a plain module (`denoiser`) or as a context that yields it whole
     (`gathered`, e.g. `Engine.gathered_for_generation`: needed under ZeRO-3, collective).
     The denoiser is in eval mode while sampling and back in its former mode afterwards."""
@@ -42,31 +44,47 @@ def sample_images(
     if len(prompts) != len(seeds):
         raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
     context = gathered() if gathered is not None else contextlib.nullcontext(denoiser)
-    images: list[Any] = []
+    results: list[Any] = []
     with context as module:
         was_training = module.training
         module.eval()
         try:
             pipe = parts.pipeline(module)
-            extra: dict[str, Any] = {}
+            extra: dict[str, Any] = {**pipeline_kwargs, "num_inference_steps": steps}
             if guidance_scale is not None:
                 extra["guidance_scale"] = guidance_scale
             if parts.max_sequence_length is not None:
                 extra["max_sequence_length"] = parts.max_sequence_length
             for start in range(0, len(prompts), batch_size):
-                chunk = list(prompts[start : start + batch_size])
                 generators = [
                     torch.Generator("cpu").manual_seed(int(s))
                     for s in seeds[start : start + batch_size]
                 ]
-                out = pipe(
-                    prompt=chunk, generator=generators, height=resolution, width=resolution,
-                    num_inference_steps=steps, output_type="pil", **extra,
-                )  # fmt: skip
-                images += list(out.images)
+                with torch.no_grad():
+                    out = pipe(
+                        prompt=list(prompts[start : start + batch_size]), generator=generators,
+                        **extra,
+                    )  # fmt: skip
+                results += outputs(out)
         finally:
             module.train(was_training)
-    return images
+    return results
+
+
+def sample_images(
+    parts: FrozenParts, prompts: Sequence[str], seeds: Sequence[int], *, resolution: int,
+    steps: int = 20, guidance_scale: float | None = None, batch_size: int = 8,
+    denoiser: torch.nn.Module | None = None,
+    gathered: Callable[[], AbstractContextManager[torch.nn.Module]] | None = None,
+) -> list[Any]:  # fmt: skip
+    """One PIL image per (prompt, seed) pair, `resolution` pixels square (`sample_with_pipeline`
+    for the rest)."""
+    return sample_with_pipeline(
+        parts, prompts, seeds, steps=steps, guidance_scale=guidance_scale,
+        batch_size=batch_size, denoiser=denoiser, gathered=gathered,
+        pipeline_kwargs={"height": resolution, "width": resolution, "output_type": "pil"},
+        outputs=lambda out: list(out.images),
+    )  # fmt: skip
 
 
 LABEL_WIDTH = 160  # pixels of the prompt column

@@ -9,7 +9,6 @@ rate, hop and mel bins (its vocoder's)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -91,36 +90,15 @@ def sample_audio(
     gathered: Callable[[], AbstractContextManager[torch.nn.Module]] | None = None,
 ) -> list[np.ndarray]:  # fmt: skip
     """One waveform [samples] float32 per (prompt, seed), through the kind's pipeline class
-    over the run's modules (`FrozenParts.pipeline`), each from its own seeded CPU generator,
-    as `families.diffusion.sampling.sample_images` draws images (`denoiser` or `gathered`,
-    the denoiser in eval mode meanwhile)."""
-    if (denoiser is None) == (gathered is None):
-        raise ValueError("give exactly one of denoiser= and gathered=")
-    if len(prompts) != len(seeds):
-        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    context = gathered() if gathered is not None else contextlib.nullcontext(denoiser)
-    waves: list[np.ndarray] = []
-    with context as module:
-        was_training = module.training
-        module.eval()
-        try:
-            pipe = parts.pipeline(module)
-            extra: dict[str, Any] = {}
-            if guidance_scale is not None:
-                extra["guidance_scale"] = guidance_scale
-            for start in range(0, len(prompts), batch_size):
-                generators = [torch.Generator("cpu").manual_seed(int(s))
-                              for s in seeds[start : start + batch_size]]  # fmt: skip
-                with torch.no_grad():
-                    out = pipe(
-                        prompt=list(prompts[start : start + batch_size]), generator=generators,
-                        audio_length_in_s=seconds, num_inference_steps=steps, output_type="np",
-                        **extra,
-                    )  # fmt: skip
-                waves += [np.asarray(w, dtype=np.float32) for w in out.audios]
-        finally:
-            module.train(was_training)
-    return waves
+    over the run's modules (`FrozenParts.pipeline`), each from its own seeded CPU generator
+    (`families.diffusion.sampling.sample_with_pipeline`: `denoiser` or `gathered`, the
+    denoiser in eval mode meanwhile)."""
+    return sampling.sample_with_pipeline(
+        parts, prompts, seeds, steps=steps, guidance_scale=guidance_scale,
+        batch_size=batch_size, denoiser=denoiser, gathered=gathered,
+        pipeline_kwargs={"audio_length_in_s": seconds, "output_type": "np"},
+        outputs=lambda out: [np.asarray(w, dtype=np.float32) for w in out.audios],
+    )  # fmt: skip
 
 
 def spectrogram_image(wave: np.ndarray, features: Features) -> Any:

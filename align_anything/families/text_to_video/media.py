@@ -9,7 +9,6 @@ against the kind: Wan's causal VAE takes 4k+1 frames."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from align_anything.errors import ConfigError
+from align_anything.families.diffusion import sampling
 from align_anything.families.diffusion.family import Medium, OutputCheck
 from align_anything.families.diffusion.latents import LATENT_ENCODER_VERSION, files_digest
 from align_anything.families.text_to_video.videos import (
@@ -90,39 +90,21 @@ def sample_videos(
     gathered: Callable[[], AbstractContextManager[torch.nn.Module]] | None = None,
 ) -> list[np.ndarray]:  # fmt: skip
     """One clip [F, H, W, 3] uint8 per (prompt, seed), through the kind's pipeline class over
-    the run's modules (`FrozenParts.pipeline`), each from its own seeded CPU generator, as
-    `families.diffusion.sampling.sample_images` draws images (see there: `denoiser` or
-    `gathered`, the denoiser in eval mode meanwhile)."""
-    if (denoiser is None) == (gathered is None):
-        raise ValueError("give exactly one of denoiser= and gathered=")
-    if len(prompts) != len(seeds):
-        raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
-    context = gathered() if gathered is not None else contextlib.nullcontext(denoiser)
-    clips: list[np.ndarray] = []
-    with context as module:
-        was_training = module.training
-        module.eval()
-        try:
-            pipe = parts.pipeline(module)
-            extra: dict[str, Any] = {}
-            if guidance_scale is not None:
-                extra["guidance_scale"] = guidance_scale
-            if parts.max_sequence_length is not None:
-                extra["max_sequence_length"] = parts.max_sequence_length
-            for start in range(0, len(prompts), batch_size):
-                generators = [torch.Generator("cpu").manual_seed(int(s))
-                              for s in seeds[start : start + batch_size]]  # fmt: skip
-                with torch.no_grad():
-                    out = pipe(
-                        prompt=list(prompts[start : start + batch_size]), generator=generators,
-                        height=resolution, width=resolution, num_frames=num_frames,
-                        num_inference_steps=steps, output_type="np", **extra,
-                    )  # fmt: skip
-                frames = np.asarray(out.frames, dtype=np.float32)
-                clips += [np.round(np.clip(v, 0, 1) * 255).astype(np.uint8) for v in frames]
-        finally:
-            module.train(was_training)
-    return clips
+    the run's modules (`FrozenParts.pipeline`), each from its own seeded CPU generator
+    (`families.diffusion.sampling.sample_with_pipeline`: `denoiser` or `gathered`, the
+    denoiser in eval mode meanwhile)."""
+
+    def clips(out: Any) -> list[np.ndarray]:
+        frames = np.asarray(out.frames, dtype=np.float32)
+        return [np.round(np.clip(v, 0, 1) * 255).astype(np.uint8) for v in frames]
+
+    return sampling.sample_with_pipeline(
+        parts, prompts, seeds, steps=steps, guidance_scale=guidance_scale,
+        batch_size=batch_size, denoiser=denoiser, gathered=gathered,
+        pipeline_kwargs={"height": resolution, "width": resolution, "num_frames": num_frames,
+                         "output_type": "np"},
+        outputs=clips,
+    )  # fmt: skip
 
 
 LABEL_WIDTH = 160
