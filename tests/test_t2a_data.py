@@ -148,8 +148,62 @@ def test_every_bad_row_is_named_in_one_error(tmp_path: Path) -> None:
 def test_a_pair_file_of_another_format_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "a hum", "audio_0": "a.wav", "audio_1": "b.wav"}))
-    with pytest.raises(DataError, match=r"not in the audio preference format .* columns found: "
+    with pytest.raises(DataError, match=r"in neither audio preference format: .* columns found: "
                                         r"prompt, audio_0, audio_1"):  # fmt: skip
         a.read_audio_source(str(path), "pairs")
     with pytest.raises(DataError, match="has no metadata.jsonl"):
         a.read_audio_source(str(tmp_path), "captioned")
+
+
+def test_align_anythings_ranked_pairs_put_the_better_response_first(root: Path) -> None:
+    """align-anything's AA_T2A rows (prompt, response_1, response_2, overall_audio): the
+    better response is the chosen clip whichever column holds it; a preference that is not 1
+    or 2 is named with its row."""
+    folder = root / "pairs"
+    rows = [{"prompt": "a high beep", "response_1": "good0.wav", "response_2": "bad0.flac",
+             "overall_audio": 1},
+            {"prompt": "a low hum", "response_1": "bad1.flac", "response_2": "good1.wav",
+             "overall_audio": 2}]  # fmt: skip
+    path = folder / "aa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = a.read_audio_source(str(path), "pairs")
+    assert [(i.chosen.path.name, i.rejected.path.name) for i in source.items] == [
+        ("good0.wav", "bad0.flac"), ("good1.wav", "bad1.flac")]  # fmt: skip
+    bad = folder / "aa-bad.jsonl"
+    bad.write_text(json.dumps({**rows[0], "overall_audio": 3}) + "\n")
+    with pytest.raises(DataError, match=r"line 1: overall_audio 3 is not 1 or 2"):
+        a.read_audio_source(str(bad), "pairs")
+
+
+def test_a_rate_that_cannot_be_resampled_and_refused_silence_are_named(tmp_path: Path) -> None:
+    """Checked before any compute against the model's rate: 44,101 Hz does not reduce against
+    16 kHz (16000/44101), 44.1 kHz does (160/441). Silence is refused only when asked, and
+    only for the part of the clip that is used."""
+    odd = a.AudioRef(t2a_data.write(tmp_path / "odd.wav", t2a_data.tone(300, 0.5, 44101), 44101))
+    fine = a.AudioRef(t2a_data.write(tmp_path / "fine.wav", t2a_data.tone(300, 0.5, 44100), 44100))
+    quiet = np.concatenate([np.full((16000, 1), 1e-4, np.float32) * np.sin(np.arange(16000))[:, None],
+                            t2a_data.tone(300, 0.5, 16000)])  # fmt: skip
+    late = a.AudioRef(t2a_data.write(tmp_path / "late.wav", quiet.astype(np.float32), 16000))
+    checks = a.Checks(16000, 0.64, refuse_silence=True)
+    assert a.check_audio(fine, a.Checks(16000)) is None
+    problem = a.check_audio(odd, a.Checks(16000))
+    assert problem == (
+        f"audio {odd.path}: its sampling rate 44101 Hz cannot be resampled to the model's 16000 Hz "
+        "(the ratio 16000/44101 does not reduce to factors of at most 1000); convert the file "
+        "first, e.g. `ffmpeg -i IN -ar 16000 OUT.wav`"
+    )
+    assert a.check_audio(late, a.Checks(16000)) is None  # not asked
+    assert a.check_audio(late, a.Checks(16000, 1.5, refuse_silence=True)) is None  # tone in it
+    silent = a.check_audio(late, checks)  # its first 0.64 s peak at 1e-4
+    assert silent is not None and silent.startswith(
+        f"audio {late.path}: silence (its first 0.64 s "
+    )
+    assert "below 0.001, -60 dBFS; data.refuse_silent_audio=true" in silent
+    rows = [{"file_name": "fine.wav", "text": "a hum"}, {"file_name": "odd.wav", "text": "x"},
+            {"file_name": "late.wav", "text": "a hum"}]  # fmt: skip
+    (tmp_path / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as caught:
+        a.read_audio_source(str(tmp_path), "captioned", checks=checks)
+    message = str(caught.value)
+    assert "2 row(s)" in message and "line 2: audio" in message and "line 3: audio" in message
+    assert len(a.read_audio_source(str(tmp_path / "metadata.jsonl"), "captioned").items) == 3

@@ -21,6 +21,7 @@ pipeline cannot take are refused.
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import NamedTuple
@@ -73,7 +74,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     t2a_data.captioned_folder(root / "eval", 2)
     t2a_data.pair_file(root / "pairs", 2)
     t2a_data.pair_file(root / "pairs-eval", 2)
-    sft = run_inline(sft_args(root), root / "sft").check()
+    tensorboard = "logging.backends=[console,jsonl,tensorboard]"  # the samples play there
+    sft = run_inline([*sft_args(root), tensorboard], root / "sft").check()
     dpo = run_inline(dpo_args(root), root / "dpo").check()
     return Runs(root, sft, dpo)
 
@@ -163,6 +165,9 @@ def test_both_tasks_ran_two_finite_steps_under_zero0(runs: Runs) -> None:
         assert result.summary_line("resolution").startswith(
             "0.64 s of mono audio at 16000 Hz: 64 mel frames x 16 mels (hop 160); latents 4x32x8"
         )
+        # the audio decoder's release is named beside diffusers' for a bug report
+        assert ", diffusers " in result.summary_line("versions")
+        assert ", soundfile " in result.summary_line("versions")
 
 
 # The random UNet's prediction is small beside the noise, so a sample's MSE is about 1 whatever
@@ -366,6 +371,27 @@ def test_samples_are_wav_files_with_a_spectrogram_grid(runs: Runs) -> None:
             assert grid.width > 64  # 64 frames beside the label
 
 
+def test_samples_play_in_tensorboard_as_the_wav_files(runs: Runs) -> None:
+    """TensorBoard holds each step's samples as audio (the WAV's samples, 16-bit as written)
+    beside the spectrogram grid."""
+    import soundfile
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs.sft.output_dir / "tensorboard"), size_guidance={"audio": 0})
+    events.Reload()
+    assert events.Tags()["audio"] == ["samples/p0-seed-0"]
+    assert "samples" in events.Tags()["images"]
+    logged = {e.step: e for e in events.Audio("samples/p0-seed-0")}
+    assert sorted(logged) == [0, 2]
+    for step, event in logged.items():
+        assert event.sample_rate == 16000
+        played, rate = soundfile.read(io.BytesIO(event.encoded_audio_string), dtype="float32")
+        written, _ = soundfile.read(str(runs.sft.output_dir / "samples" / f"step-{step:06d}" /
+                                        "p0-seed-0.wav"), dtype="float32")  # fmt: skip
+        assert rate == 16000 and played.shape == written.shape == (10240,)
+        assert np.abs(played - written).max() <= 2 / 32768  # both 16-bit
+
+
 def test_settings_an_audio_pipeline_cannot_take_are_refused() -> None:
     from align_anything.config import load_config
     from align_anything.errors import ConfigError
@@ -394,10 +420,13 @@ def test_settings_an_audio_pipeline_cannot_take_are_refused() -> None:
     assert "makes audio: leave them null" in str(caught.value)
     assert "data.resolution=32 sets an image side" in str(caught.value)
     cfg = load_config(["task=diffusion_sft", "model.name_or_path=tiny-random-sd",
-                       "data.audio_seconds=1"])  # fmt: skip
-    with pytest.raises(ConfigError, match="sets the length of audio clips; tiny-random-sd is a sd "
-                                          "pipeline, which makes images: leave it null"):  # fmt: skip
+                       "data.audio_seconds=1", "data.refuse_silent_audio=true"])  # fmt: skip
+    with pytest.raises(ConfigError) as caught:
         check_model_settings(cfg, diffusion.inspect_pipeline("tiny-random-sd"))
+    assert ("sets the length of audio clips; tiny-random-sd is a sd pipeline, which makes "
+            "images: leave it null") in str(caught.value)  # fmt: skip
+    assert ("data.refuse_silent_audio=true checks audio clips; tiny-random-sd is a sd "
+            "pipeline, which makes images: leave it false") in str(caught.value)  # fmt: skip
 
 
 def test_another_pipeline_with_a_vocoder_is_refused_by_name(tmp_path: Path) -> None:

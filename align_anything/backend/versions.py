@@ -8,9 +8,10 @@ from importlib import metadata
 
 # The libraries whose releases change what a run computes, in the order the summary names them.
 LIBRARIES = ("torch", "deepspeed", "transformers", "datasets")
-# Those only some runs use, named when the run has imported them: diffusers (text-to-image
-# pipelines), vllm (rollout.backend=vllm).
-IMPORTED_LIBRARIES = ("diffusers", "vllm")
+# Those only some runs use, named when the run has imported them: diffusers (the pipeline
+# families), the media decoders (av: video clips; soundfile: audio files), vllm
+# (rollout.backend=vllm).
+IMPORTED_LIBRARIES = ("diffusers", "av", "soundfile", "vllm")
 
 
 def _version(name: str) -> str:

@@ -154,6 +154,24 @@ class MetricsLogger:
 
             self._wandb.log({name: wandb.Image(image, caption=caption)}, step=step)
 
+    def log_audio(self, step: int, name: str, clips: Sequence[Path]) -> None:
+        """Audio files (WAV: text-to-audio runs' samples, each labelled by its file name) to
+        TensorBoard and wandb when they are on, so they play there; metrics.jsonl holds
+        numbers only (the files are in the run's folder)."""
+        if self._tb is not None and clips:
+            import soundfile
+
+            for clip in clips:
+                wave, rate = soundfile.read(str(clip), dtype="float32", always_2d=True)
+                self._tb.add_audio(f"{name}/{clip.stem}", wave.mean(axis=1), step,
+                                   sample_rate=rate)  # fmt: skip
+            self._tb.flush()
+        if self._wandb is not None and clips:
+            import wandb
+
+            audio = [wandb.Audio(str(clip), caption=clip.stem) for clip in clips]
+            self._wandb.log({f"{name}_audio": audio}, step=step)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

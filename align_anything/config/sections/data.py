@@ -109,6 +109,9 @@ class DataConfig(_Section):
         gt=0,
         description="Text-to-audio tasks: seconds of audio per training clip (each file mixed to mono, resampled to the model's rate, cut or zero-padded at its end to this length); null: the pipeline's own (its denoiser's sample size in mel frames). Its mel frames must split evenly through the VAE and the denoiser: another length is refused, naming the nearest that work.",
     )
+    refuse_silent_audio: bool = Field(
+        description="Text-to-audio tasks: refuse (one error naming each row) clips whose used part is silence, a peak below -60 dBFS, which the normalisation would otherwise raise to full loudness; false: train on them as they are.",
+    )
     cache_dir: str | None = Field(
         description="Where tokenised data is cached (null: `data/` under `ALIGN_ANYTHING_CACHE`, else ~/.cache/align_anything). A start with the same data, tokenizer, chat template, max_length, truncation and task encoding reads it instead of tokenising.",
     )

@@ -37,6 +37,7 @@ from align_anything.families.diffusion.parts import (
 )
 from align_anything.families.diffusion.pipeline import (
     PipelineInfo,
+    check_audio_length,
     inspect_pipeline,
     is_pipeline_folder,
     training_resolution,
@@ -51,6 +52,7 @@ __all__ = [
     "adapters_disabled",
     "add_denoiser_adapters",
     "bucket_width",
+    "check_audio_length",
     "denoiser_from_state_dict",
     "default_denoiser_targets",
     "empty_denoiser",

@@ -154,7 +154,7 @@ def resolution_of(cfg: RunConfig, info: diffusion.PipelineInfo) -> int:
         step = int(patch) * (2 if info.kind == "flux" else 1)
     multiple = info.vae_scale_factor * step
     if info.medium == "audio":
-        _check_audio_length(info, resolution, multiple, cfg.data.audio_seconds)
+        diffusion.check_audio_length(info, resolution, multiple, cfg.data.audio_seconds)
         return resolution
     if resolution % multiple:
         lower, upper = resolution // multiple * multiple, (resolution // multiple + 1) * multiple
@@ -164,32 +164,6 @@ def resolution_of(cfg: RunConfig, info: diffusion.PipelineInfo) -> int:
             f"denoiser's {step}x down-sampling); e.g. data.resolution={lower or upper} or {upper}"
         )
     return resolution
-
-
-def _check_audio_length(
-    info: diffusion.PipelineInfo, frames: int, multiple: int, seconds: float | None
-) -> None:
-    """An audio clip's mel frames (and its mel bins) must halve evenly through the VAE and
-    the UNet; a `ConfigError` naming the nearest `data.audio_seconds` that work otherwise."""
-    bins = int(info.mel_bins or 0)
-    if bins % multiple:
-        raise ConfigError(
-            f"{info.name}: its vocoder reads {bins} mel bins, which the VAE's 1/"
-            f"{info.vae_scale_factor} latents and the UNet's down-sampling cannot split into "
-            f"a multiple of {multiple}; this pipeline folder cannot train"
-        )
-    if frames % multiple == 0 and frames > 0:
-        return
-    frame_s = info.hop_length / info.sampling_rate  # type: ignore[operator]
-    lower, upper = frames // multiple * multiple, (frames // multiple + 1) * multiple
-    given = f"data.audio_seconds={seconds:g}" if seconds else "the pipeline's default length"
-    raise ConfigError(
-        f"{given}: {frames} mel frames (one per {info.hop_length} samples at "
-        f"{info.sampling_rate} Hz); {info.name}'s spectrograms take a multiple of {multiple} "
-        f"frames (the VAE's 1/{info.vae_scale_factor} latents through the UNet's "
-        f"{multiple // info.vae_scale_factor}x down-sampling); e.g. "
-        f"data.audio_seconds={(lower or upper) * frame_s:g} or {upper * frame_s:g}"
-    )
 
 
 def check_model_settings(cfg: RunConfig, info: diffusion.PipelineInfo) -> None:
@@ -235,6 +209,11 @@ def check_model_settings(cfg: RunConfig, info: diffusion.PipelineInfo) -> None:
             f"data.audio_seconds={cfg.data.audio_seconds} sets the length of audio clips; "
             f"{cfg.model.name_or_path} is a {info.kind} pipeline, which makes {info.medium}s: "
             "leave it null"
+        )
+    if info.medium != "audio" and cfg.data.refuse_silent_audio:
+        problems.append(
+            f"data.refuse_silent_audio=true checks audio clips; {cfg.model.name_or_path} is a "
+            f"{info.kind} pipeline, which makes {info.medium}s: leave it false"
         )
     if problems:
         raise ConfigError("; ".join(problems))
@@ -571,6 +550,8 @@ class Samples:
         if run.logger is not None:
             with Image.open(path) as still:
                 run.logger.log_image(step, "samples", still.convert("RGB"), caption=label)
+            if model.medium.name == "audio":  # the WAVs beside the spectrogram grid
+                run.logger.log_audio(step, "samples", sorted(path.with_suffix("").glob("*.wav")))
         return path
 
     def after_step(self, step: int) -> None:

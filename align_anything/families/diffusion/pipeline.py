@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from align_anything.errors import ModelError, did_you_mean
+from align_anything.errors import ConfigError, ModelError, did_you_mean
 from align_anything.families.diffusion.kinds import (
     DEFAULT_FRAMES,
     DEFAULT_RESOLUTION,
@@ -148,6 +148,32 @@ def training_resolution(
     if info.medium == "audio":
         return info.mel_frames(audio_seconds) if audio_seconds else info.default_resolution
     return resolution or info.default_resolution
+
+
+def check_audio_length(
+    info: PipelineInfo, frames: int, multiple: int, seconds: float | None
+) -> None:
+    """An audio clip's mel frames (and its mel bins) must halve evenly through the VAE and
+    the UNet; a `ConfigError` naming the nearest `data.audio_seconds` that work otherwise."""
+    bins = int(info.mel_bins or 0)
+    if bins % multiple:
+        raise ConfigError(
+            f"{info.name}: its vocoder reads {bins} mel bins, which the VAE's 1/"
+            f"{info.vae_scale_factor} latents and the UNet's down-sampling cannot split into "
+            f"a multiple of {multiple}; this pipeline folder cannot train"
+        )
+    if frames % multiple == 0 and frames > 0:
+        return
+    frame_s = info.hop_length / info.sampling_rate  # type: ignore[operator]
+    lower, upper = frames // multiple * multiple, (frames // multiple + 1) * multiple
+    given = f"data.audio_seconds={seconds:g}" if seconds else "the pipeline's default length"
+    raise ConfigError(
+        f"{given}: {frames} mel frames (one per {info.hop_length} samples at "
+        f"{info.sampling_rate} Hz); {info.name}'s spectrograms take a multiple of {multiple} "
+        f"frames (the VAE's 1/{info.vae_scale_factor} latents through the UNet's "
+        f"{multiple // info.vae_scale_factor}x down-sampling); e.g. "
+        f"data.audio_seconds={(lower or upper) * frame_s:g} or {upper * frame_s:g}"
+    )
 
 
 def is_pipeline_folder(path: str | Path) -> bool:

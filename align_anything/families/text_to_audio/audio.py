@@ -8,8 +8,10 @@ Sources (`read_audio_source`):
   video folders; or a `.jsonl` / `.json` / `.parquet` file (or folder of them) with an audio
   column (`audio`, `file_name` or `audio_path`: a path relative to the file, or
   `{"path": ...}`) and a caption column (`text`, `caption` or `prompt`);
-- **preference pairs** (Diffusion-DPO), the generic format: `prompt`, `chosen`, `rejected`
-  (paths, as above).
+- **preference pairs** (Diffusion-DPO), told apart by their columns: the generic format,
+  `prompt`, `chosen`, `rejected` (paths, as above); or align-anything's text-to-audio
+  preference format (its `AA_T2A` template): `prompt`, `response_1`, `response_2` and
+  `overall_audio`, the better one (1 or 2).
 
 `columns` maps these names to a file's own (`{"caption": "description"}`).
 
@@ -27,8 +29,12 @@ filter bank from 0 Hz to min(8 kHz, the Nyquist rate), and log(max(mel, 1e-5)): 
 mels], what `AudioLDMPipeline`'s vocoder turns back into a waveform.
 
 Every row is checked before any compute (each file's header read): a missing or unreadable
-file, an empty one (no samples), and a missing caption are collected over the whole source and
-reported in one `DataError` naming the file and each row ("line 3" of a JSON-lines file).
+file, an empty one (no samples), a sampling rate the resampler cannot take to the model's (a
+ratio that does not reduce to factors of at most `MAX_RESAMPLE_FACTOR`, such as 44,101 Hz to
+16 kHz), silence when `data.refuse_silent_audio` asks (the clip's used part decoded: its peak
+below `SILENCE_PEAK`, which the normalisation would otherwise raise to full loudness), and a
+missing caption are collected over the whole source and reported in one `DataError` naming the
+file and each row ("line 3" of a JSON-lines file).
 """
 
 from __future__ import annotations
@@ -51,6 +57,9 @@ KINDS = ("captioned", "pairs")
 CAPTIONED_COLUMNS = {"audio": ("audio", "file_name", "audio_path"),
                      "caption": ("text", "caption", "prompt")}  # fmt: skip
 PAIR_COLUMNS = {"caption": ("prompt",), "chosen": ("chosen",), "rejected": ("rejected",)}
+# align-anything's AA_T2A template: two responses and which is better (1 or 2)
+RANKED_PAIR_COLUMNS = {"caption": ("prompt",), "first": ("response_1",),
+                       "second": ("response_2",), "better": ("overall_audio",)}  # fmt: skip
 HINT = "Fix or remove those rows (every row needs a caption and an audio file with samples)."
 
 # AudioLDM's feature settings (its TacotronSTFT): the window and FFT length, the mel range,
@@ -60,6 +69,10 @@ MEL_FMIN = 0.0
 MEL_FMAX = 8000.0
 LOG_FLOOR = 1e-5
 PEAK = 0.5  # AudioLDM's normalize_wav: mean removed, peak scaled to 0.5
+# The largest up- or down-sampling factor of the polyphase resampler (its filter grows with
+# it): common rates reduce far below it (44.1 kHz -> 16 kHz is 160/441).
+MAX_RESAMPLE_FACTOR = 1000
+SILENCE_PEAK = 1e-3  # -60 dBFS: below it a clip is silence (data.refuse_silent_audio)
 
 
 class AudioUnreadable(Exception):
@@ -99,9 +112,26 @@ class Features:
         return self.samples // self.hop_length
 
 
-def check_audio(ref: AudioRef) -> str | None:
-    """Why the file cannot be used (missing, unreadable, no samples), from its header; or
-    None."""
+@dataclass(frozen=True)
+class Checks:
+    """What a file is checked against beyond being readable audio: the model's rate (None:
+    any rate), and silence over the clip's first `seconds` when `refuse_silence`."""
+
+    sampling_rate: int | None = None
+    seconds: float | None = None
+    refuse_silence: bool = False
+
+
+def resample_factors(rate: int, target: int) -> tuple[int, int]:
+    """(up, down): the resampler's factors from `rate` to `target` Hz, reduced."""
+    divisor = math.gcd(rate, target)
+    return target // divisor, rate // divisor
+
+
+def check_audio(ref: AudioRef, checks: Checks = Checks()) -> str | None:
+    """Why the file cannot be used (missing, unreadable, no samples, a rate that cannot be
+    resampled to the model's; silent, when refused), from its header (and its samples for
+    silence); or None."""
     import soundfile
 
     if not ref.path.is_file():
@@ -112,6 +142,25 @@ def check_audio(ref: AudioRef) -> str | None:
         return f"audio {ref.describe()}: cannot be read as audio ({err})"
     if info.frames <= 0 or info.samplerate <= 0:
         return f"audio {ref.describe()}: zero-length audio (no samples)"
+    target = checks.sampling_rate
+    if target and max(resample_factors(info.samplerate, target)) > MAX_RESAMPLE_FACTOR:
+        up, down = resample_factors(info.samplerate, target)
+        return (
+            f"audio {ref.describe()}: its sampling rate {info.samplerate} Hz cannot be "
+            f"resampled to the model's {target} Hz (the ratio {up}/{down} does not reduce to "
+            f"factors of at most {MAX_RESAMPLE_FACTOR}); convert the file first, e.g. "
+            f"`ffmpeg -i IN -ar {target} OUT.wav`"
+        )
+    if checks.refuse_silence:
+        frames = round(checks.seconds * info.samplerate) if checks.seconds else -1
+        samples, _ = soundfile.read(str(ref.path), frames=frames, dtype="float32", always_2d=True)
+        peak = float(np.abs(to_mono(samples) - to_mono(samples).mean()).max(initial=0.0))
+        if peak < SILENCE_PEAK:
+            used = f"its first {checks.seconds:g} s" if checks.seconds else "the file"
+            return (
+                f"audio {ref.describe()}: silence ({used} peaks at {peak:.1e}, below "
+                f"{SILENCE_PEAK:g}, -60 dBFS; data.refuse_silent_audio=true)"
+            )
     return None
 
 
@@ -141,8 +190,7 @@ def resample(wave: np.ndarray, rate: int, target: int) -> np.ndarray:
         return wave.astype(np.float32)
     from scipy.signal import resample_poly
 
-    divisor = math.gcd(rate, target)
-    return resample_poly(wave, target // divisor, rate // divisor).astype(np.float32)
+    return resample_poly(wave, *resample_factors(rate, target)).astype(np.float32)
 
 
 def fit_length(wave: np.ndarray, samples: int) -> np.ndarray:
@@ -249,17 +297,18 @@ def _source(path: str, kind: str, items: list, total: int, data_files: list[Path
                        sorted({r.path for r in refs}))  # fmt: skip
 
 
-def _checked_ref(problems: RowProblems, row: str, value: Any, *, base: Path,
-                 column: str) -> AudioRef | None:  # fmt: skip
+def _checked_ref(problems: RowProblems, row: str, value: Any, *, base: Path, column: str,
+                 checks: Checks) -> AudioRef | None:  # fmt: skip
     ref = _audio_ref(value, base=base, column=column)
-    problem = ref if isinstance(ref, str) else check_audio(ref)
+    problem = ref if isinstance(ref, str) else check_audio(ref, checks)
     if problem is not None:
         problems.add(row, problem)
         return None
     return ref  # type: ignore[return-value]
 
 
-def read_captioned_audio(path: str, *, columns: Mapping[str, str] | None = None) -> AudioSource:
+def read_captioned_audio(path: str, *, columns: Mapping[str, str] | None = None,
+                         checks: Checks = Checks()) -> AudioSource:  # fmt: skip
     """The captioned clips of an audio folder (`metadata.jsonl`) or a data file, every row
     checked; a `DataError` naming each bad row otherwise."""
     columns = dict(columns or {})
@@ -288,7 +337,7 @@ def read_captioned_audio(path: str, *, columns: Mapping[str, str] | None = None)
         text = caption_text(caption)
         if text is None:
             problems.add(row, f"missing or empty caption in column '{caption_col}'")
-        ref = _checked_ref(problems, row, value, base=base, column=audio_col)
+        ref = _checked_ref(problems, row, value, base=base, column=audio_col, checks=checks)
         if ref is not None and text is not None:
             items.append(CaptionedAudio(text, ref, row))
     problems.raise_any(HINT)
@@ -296,39 +345,60 @@ def read_captioned_audio(path: str, *, columns: Mapping[str, str] | None = None)
                    files)  # fmt: skip
 
 
-def read_audio_pairs(path: str, *, columns: Mapping[str, str] | None = None) -> AudioSource:
-    """Preference pairs of clips in the generic format (`prompt`, `chosen`, `rejected`); a
-    missing or unreadable clip or caption is one `DataError` naming every such row."""
+def read_audio_pairs(path: str, *, columns: Mapping[str, str] | None = None,
+                     checks: Checks = Checks()) -> AudioSource:  # fmt: skip
+    """Preference pairs of clips in the generic format (`prompt`, `chosen`, `rejected`) or
+    align-anything's (`prompt`, `response_1`, `response_2`, `overall_audio`), told apart by
+    their columns; a missing or unusable clip or caption, and a preference that is not 1 or 2,
+    are one `DataError` naming every such row."""
     columns = dict(columns or {})
     table, names, files, base = read_table(path)
     at = where(path, files)
     present = table.column_names
-    if not {"prompt", "chosen", "rejected"} <= {*present, *columns}:
+    ranked = "overall_audio" in present or "better" in columns
+    if not ranked and not {"prompt", "chosen", "rejected"} <= {*present, *columns}:
         raise DataError(
-            f"{at} is not in the audio preference format (prompt, chosen, rejected: a caption "
-            f"and two audio file paths); columns found: {', '.join(present)}. Map yours with "
-            "data.columns"
+            f"{at} is in neither audio preference format: the generic one (prompt, chosen, "
+            "rejected: a caption and two audio file paths) nor align-anything's (prompt, "
+            f"response_1, response_2, overall_audio); columns found: {', '.join(present)}. "
+            "Map yours with data.columns"
         )
-    picked = {c: pick_column(present, c, tried, columns, at) for c, tried in PAIR_COLUMNS.items()}
+    spec = RANKED_PAIR_COLUMNS if ranked else PAIR_COLUMNS
+    picked = {c: pick_column(present, c, tried, columns, at) for c, tried in spec.items()}
     cells = {c: table.column(name).to_pylist() for c, name in picked.items()}
+    clips = ("first", "second") if ranked else ("chosen", "rejected")
     problems, items = RowProblems(at), []
     for index, caption in enumerate(cells["caption"]):
         row = names(index)
         text = caption_text(caption)
         if text is None:
             problems.add(row, f"missing or empty caption in column '{picked['caption']}'")
-        chosen, rejected = (
-            _checked_ref(problems, row, cells[c][index], base=base, column=picked[c])
-            for c in ("chosen", "rejected")
-        )
-        if text is not None and chosen is not None and rejected is not None:
-            items.append(AudioPair(text, chosen, rejected, row))
+        refs = [_checked_ref(problems, row, cells[c][index], base=base, column=picked[c],
+                             checks=checks) for c in clips]  # fmt: skip
+        better = _better_response(cells["better"][index]) if ranked else 1
+        if better is None:
+            problems.add(row, f"{picked['better']} {cells['better'][index]!r} is not 1 or 2 "
+                              "(which response is better)")  # fmt: skip
+            continue
+        if text is not None and None not in refs:
+            chosen, rejected = refs if better == 1 else refs[::-1]
+            items.append(AudioPair(text, chosen, rejected, row))  # type: ignore[arg-type]
     problems.raise_any(HINT)
     return _source(path, "pairs", items, len(cells["caption"]), files)
 
 
-def read_audio_source(path: str, kind: str, *,
-                      columns: Mapping[str, str] | None = None) -> AudioSource:  # fmt: skip
+def _better_response(value: Any) -> int | None:
+    """align-anything's `overall_audio` cell (1 or 2, as a number or text) as 1 or 2; None
+    otherwise."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if number in (1, 2) else None
+
+
+def read_audio_source(path: str, kind: str, *, columns: Mapping[str, str] | None = None,
+                      checks: Checks = Checks()) -> AudioSource:  # fmt: skip
     """`read_captioned_audio` ("captioned") or `read_audio_pairs` ("pairs")."""
     if kind not in KINDS:
         raise DataError(
@@ -336,4 +406,4 @@ def read_audio_source(path: str, kind: str, *,
             f"{kind}"
         )
     reader = read_captioned_audio if kind == "captioned" else read_audio_pairs
-    return reader(path, columns=columns)
+    return reader(path, columns=columns, checks=checks)

@@ -28,6 +28,7 @@ from align_anything.families.text_to_audio.audio import (
     N_FFT,
     AudioRef,
     AudioSource,
+    Checks,
     Features,
     log_mel,
     read_audio_source,
@@ -146,11 +147,12 @@ def configure(cfg: Any, info: Any) -> Medium:
     (the frames were checked by `family.resolution_of`)."""
     frames = info.mel_frames(cfg.data.audio_seconds) if cfg.data.audio_seconds else None
     features = features_of(info, frames or info.default_resolution)
+    checks = Checks(info.sampling_rate, features.seconds, cfg.data.refuse_silent_audio)
     return replace(
         AUDIO,
         # data.max_image_pixels guards image files; audio files are read whole.
         read_source=lambda path, kind, columns, _max_pixels: read_audio_source(
-            path, kind, columns=columns
+            path, kind, columns=columns, checks=checks
         ),
         key_parts=lambda source, resolution, encoder, columns: latent_key_parts(
             source, features=features_of(info, resolution), encoder=encoder, columns=columns
