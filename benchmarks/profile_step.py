@@ -103,6 +103,42 @@ class Regions:
             figures.clear()
 
 
+class RssSampler:
+    """The process's resident set size, read from /proc/self/statm every `interval` seconds
+    on a daemon thread, its peak kept per region (`regions.current` when sampled; the phase
+    name given to `phase` outside the step): where the run's peak RSS is reached."""
+
+    def __init__(self, regions: Regions, interval: float = 0.002) -> None:
+        import threading
+
+        self.regions, self.interval = regions, interval
+        self.phase: str | None = "set-up"
+        self.peak: dict[str, int] = defaultdict(int)
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        with open("/proc/self/statm", "rb") as statm:
+            while not self._stop.wait(self.interval):
+                statm.seek(0)
+                rss = int(statm.read().split()[1]) * self._page
+                name = self.phase or self.regions.current
+                self.peak[name] = max(self.peak[name], rss)
+
+    def table(self) -> str:
+        self._stop.set()
+        self._thread.join()
+        import resource
+
+        lines = ["| phase or region of the step | peak RSS MiB |", "|---|---|"]
+        lines += [f"| {name} | {rss / 2**20:,.0f} |" for name, rss in self.peak.items()]
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        lines.append(f"| **process peak (ru_maxrss)** | **{maxrss:,.0f}** |")
+        return "\n".join(lines)
+
+
 def layouts(batch: Any) -> list[tuple[str, Any]]:
     """The layouts a step's micro-batch puts through the model (KTO: its own and its KL
     sequences)."""
@@ -186,11 +222,14 @@ def profile(
     cfg = load_config([*overrides, *extra, f"output_dir={workdir / 'run'}"])
     spec = TASKS[cfg.task]
     regions = Regions()
+    rss = RssSampler(regions)
     with ExitStack() as stack:
         start = time.perf_counter()
         run = setup.setup(cfg, spec, stack)
         built = time.perf_counter()
+        rss.phase = "build (KTO: the reference pass)"
         task_, source = spec.build(run)  # KTO: its reference pass over every row, once
+        rss.phase = None
         print(f"set-up {built - start:.1f} s; build (KTO: the reference pass) "
               f"{time.perf_counter() - built:.1f} s", flush=True)  # fmt: skip
         engine = run.engines["policy"]
@@ -226,6 +265,8 @@ def profile(
               f"({per_step[1] / timings[1][0]:.0f} tokens/s wall, "
               f"{per_step[1] / timings[1][1]:.0f} per CPU second)\n", flush=True)  # fmt: skip
         print(padding_table(collated, job, step=1))
+        print(f"\nPeak resident memory (sampled every {rss.interval * 1e3:g} ms), steps 1-2:\n")
+        print(rss.table())
         if ops:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
