@@ -52,6 +52,15 @@ def clocks() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
+def faults() -> tuple[int, float]:
+    """(minor page faults, system CPU seconds) of this process so far: memory the kernel
+    maps in (and zeroes) on first touch."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_stime
+
+
 class Regions:
     """Wall and CPU seconds per named region; the decoder's forward attributed to the region
     it ran in. CPU seconds (all threads) move far less than wall seconds when other work
@@ -62,6 +71,8 @@ class Regions:
         self.cpu: dict[str, float] = defaultdict(float)
         self.decoder: dict[str, float] = defaultdict(float)
         self.decoder_cpu: dict[str, float] = defaultdict(float)
+        self.faults: dict[str, int] = defaultdict(int)
+        self.system: dict[str, float] = defaultdict(float)
         self.current = "other"
         self._decoder_start = (0.0, 0.0)
 
@@ -69,11 +80,15 @@ class Regions:
     def region(self, name: str) -> Iterator[None]:
         outer, self.current = self.current, name
         wall, cpu = clocks()
+        minflt, stime = faults()
         try:
             yield
         finally:
             self.seconds[name] += time.perf_counter() - wall
             self.cpu[name] += time.process_time() - cpu
+            after = faults()
+            self.faults[name] += after[0] - minflt
+            self.system[name] += after[1] - stime
             self.current = outer
 
     def wrap(self, owner: Any, attribute: str, name: str) -> None:
@@ -99,7 +114,8 @@ class Regions:
         decoder.register_forward_hook(after)
 
     def reset(self) -> None:
-        for figures in (self.seconds, self.cpu, self.decoder, self.decoder_cpu):
+        for figures in (self.seconds, self.cpu, self.decoder, self.decoder_cpu, self.faults,
+                        self.system):  # fmt: skip
             figures.clear()
 
 
@@ -261,6 +277,9 @@ def profile(
               f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}; "
               f"step 1 (warm-up) {timings[0][0]:.2f} s; overrides {extra or 'none'}\n")  # fmt: skip
         print(step_table(regions, timings[1]))
+        print("\npage faults (system CPU s) per region: " + ", ".join(
+            f"{name} {regions.faults[name]:,} ({regions.system[name]:.2f} s)"
+            for name in regions.faults))  # fmt: skip
         print(f"\n{per_step[1]:,} non-padding tokens in the step's sequences "
               f"({per_step[1] / timings[1][0]:.0f} tokens/s wall, "
               f"{per_step[1] / timings[1][1]:.0f} per CPU second)\n", flush=True)  # fmt: skip
