@@ -261,6 +261,11 @@ def test_two_ranks_under_zero3_equal_one_rank_with_lora(
     adapters' B at zero) is also the full fine-tune's, checked by hand above."""
     one = {m["step"]: m for m in dpo_z2_lora.train_steps()}
     two = {m["step"]: m for m in dpo_z3_lora_2ranks.train_steps()}
+    # ZeRO-2 in one process: the summary says what it costs there and names deepspeed=z0
+    line = dpo_z2_lora.summary_line("one process")
+    assert "ZeRO-2 has no other rank" in line and "use deepspeed=z0" in line
+    with pytest.raises(AssertionError):  # two ranks have others to partition over
+        dpo_z3_lora_2ranks.summary_line("one process")
     keys = ("loss", "mse/policy_chosen", "mse/policy_rejected", "mse/ref_chosen")
     for key in keys:
         assert one[1][key] == pytest.approx(runs.dpo.train_steps()[0][key], rel=REL), key

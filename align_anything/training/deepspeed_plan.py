@@ -93,6 +93,8 @@ def resolve_deepspeed(
     )
     if world_size == 1 and dsc.zero_stage_of(config) == 3:
         notes.append(dsc.one_process_zero3_note(precision))
+    elif world_size == 1 and dsc.zero_stage_of(config) == 2 and not dsc.offloads_optimizer(config):
+        notes.append(dsc.one_process_zero2_note())
     universal = None
     if resume is not None:
         folder, state = resume
