@@ -3,6 +3,7 @@
 
     python benchmarks/grpo_vs_trl.py                          # smollm2-135m-instruct, 4 steps, 2 repeats
     python benchmarks/grpo_vs_trl.py --model tiny-random-llama --steps 2 --repeats 1   # quick
+    python benchmarks/grpo_vs_trl.py --rows hh --steps 2 --repeats 1   # long multi-turn prompts
 
 Same model (fp32 on CPU), the same prompts (the first steps × prompts-per-step rows of the
 built-in arith-prompts set, with their `answer` field) in the same order (align_anything's
@@ -22,6 +23,12 @@ on the same work, both run by that environment's interpreter: align_anything wit
 memory every step) and TRL with `use_vllm=True, vllm_mode="colocate"`. Generation seconds
 include each side's weight sync (TRL times it inside `_generate_single_turn` too). The machine
 is shared: the load average is printed beside the figures.
+
+`--rows hh`: the long prompts instead, the multi-turn HH-RLHF conversations of the other
+benchmarks' long rows (`common.long_pairs`: each pair's prompt, up to the last user turn; at
+most 512 - max_completion_length tokens), rewarded by align_anything's `length_penalty`
+(−0.001 per character: no answer to check, and completions of one group differ in it, so the
+advantages are not all zero).
 
 Agreement (`--agreement-only` runs just this): one fixed set of completions (two prompts × four
 hand-written answers, right and wrong) scored once through TRL's own code
@@ -46,11 +53,13 @@ from typing import Any
 
 from common import (
     MODEL,
+    ROW_SETS,
     SEED,
     TRL_CHILD,
     RunRecord,
     child_env,
     interleave,
+    long_pairs,
     median,
     read_jsonl,
     run_child,
@@ -72,6 +81,21 @@ def prompt_rows(count: int) -> list[dict[str, Any]]:
     return [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
 
 
+def long_prompt_rows(count: int, *, max_prompt_length: int, model: str) -> list[dict[str, Any]]:
+    """The prompts of the first `count` long pairs (multi-turn HH-RLHF conversations up to
+    their last user turn) that fit `max_prompt_length` tokens with their answers."""
+    return [{"prompt": pair["prompt"]} for pair in
+            long_pairs(count, max_length=max_prompt_length, model=model)]  # fmt: skip
+
+
+# Per row set: the reward both sides compute, and the prompt length each allows.
+REWARDS = {"arith": "arith_exact", "hh": "length_penalty"}
+
+
+def max_prompt_length(args: argparse.Namespace) -> int:
+    return 256 if args.rows == "arith" else ROW_SETS["hh"] - args.max_completion_length
+
+
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "num_generations": args.num_generations, "max_completion_length": args.max_completion_length,
@@ -83,14 +107,15 @@ def ours_overrides(args: argparse.Namespace, data: Path) -> list[str]:
     s = settings(args)
     return [
         "task=grpo", "deepspeed=z0", f"model.name_or_path={args.model}", f"data.path={data}",
-        "data.eval_path=null", "data.eval_fraction=0", "data.max_length=256",
+        "data.eval_path=null", "data.eval_fraction=0", f"data.max_length={max_prompt_length(args)}",
         f"train.max_steps={args.steps}",
         f"train.per_device_batch_size={args.prompts * args.num_generations}",
         "train.gradient_accumulation_steps=1", f"train.learning_rate={args.learning_rate}",
         "train.lr_scheduler=constant", "train.warmup_ratio=0", "train.weight_decay=0",
         "train.adam_eps=1e-8", "train.max_grad_norm=1.0", "train.precision=fp32",
         f"train.seed={SEED}", "checkpoint.save_final=false", "logging.backends=[jsonl]",
-        "logging.completions_every=0", "reward.functions=[align_anything.rewards:arith_exact]",
+        "logging.completions_every=0",
+        f"reward.functions=[align_anything.rewards:{REWARDS[args.rows]}]",
         f"grpo.num_generations={s['num_generations']}",
         f"grpo.max_completion_length={s['max_completion_length']}",
         f"grpo.temperature={s['temperature']}", f"grpo.top_p={s['top_p']}",
@@ -105,7 +130,8 @@ def trl_spec(args: argparse.Namespace, rows_path: Path) -> dict[str, Any]:
     return {
         "task": "grpo", "model_path": str(resolve_model_path(args.model)),
         "rows_path": str(rows_path), "batch": args.prompts * args.num_generations,
-        "steps": args.steps, "max_length": 256, "learning_rate": args.learning_rate,
+        "steps": args.steps, "max_length": max_prompt_length(args),
+        "reward": REWARDS[args.rows], "learning_rate": args.learning_rate,
         "seed": SEED, "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.0,
         "max_grad_norm": 1.0, "gradient_checkpointing": False, "optim": "adamw_torch_fused",
         **settings(args),
@@ -335,6 +361,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per side")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per run")
+    parser.add_argument("--rows", choices=sorted(REWARDS), default="arith",
+                        help="arith: the built-in arithmetic prompts; hh: long multi-turn HH-RLHF prompts")  # fmt: skip
     parser.add_argument("--agreement-only", action="store_true")
     parser.add_argument("--vllm", action="store_true",
                         help="also both sides with vLLM colocated (needs .venv-vllm)")  # fmt: skip
@@ -345,7 +373,10 @@ def main() -> None:
     env = child_env(args.threads)
     print(f"work folder {workdir}", flush=True)
     if not args.agreement_only:
-        rows = prompt_rows(args.steps * args.prompts)
+        count = args.steps * args.prompts
+        rows = (prompt_rows(count) if args.rows == "arith" else
+                long_prompt_rows(count, max_prompt_length=max_prompt_length(args),
+                                 model=args.model))  # fmt: skip
         order = training_order(len(rows), batch=args.prompts, steps=args.steps)
         ours_file, trl_file = workdir / "ours.jsonl", workdir / "trl.jsonl"
         write_jsonl(ours_file, rows)
@@ -369,8 +400,9 @@ def main() -> None:
         print(f"load average at the start: {os.getloadavg()}", flush=True)
         records = interleave(variants, args.repeats)
         print(f"\nload average at the end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s")
-        print(f"{args.model}, {args.steps} steps × {args.prompts} prompts × G={args.num_generations}, "
-              f"max_completion_length {args.max_completion_length}, dapo, beta 0")  # fmt: skip
+        print(f"{args.model}, {args.rows} rows, {args.steps} steps × {args.prompts} prompts × "
+              f"G={args.num_generations}, max_completion_length {args.max_completion_length}, "
+              f"dapo, beta 0, reward {REWARDS[args.rows]}")  # fmt: skip
         print(table(records, args.steps))
     print(agreement(args, workdir, env))
 

@@ -11,8 +11,9 @@ undesirable_weight and precompute_ref_log_probs; for RM, model_path is a reward 
 (TRL loads it itself, as `AutoModelForSequenceClassification`); for SFT optionally completion_only_loss
 (default true; rows may be pre-tokenised `input_ids` + `labels`, TRL's documented path), packing (TRL's BFD, padding-free) and bin_order (the packed sequences' order);
 for GRPO num_generations, max_completion_length,
-temperature, top_p, loss_type, beta, epsilon (rows: a `prompt` and the `answer` field, rewarded
-with align_anything's `arith_exact`); grpo_score scores the fixed completions of
+temperature, top_p, loss_type, beta, epsilon, reward (rows: a `prompt` and, for the default
+`arith_exact`, the `answer` field; `length_penalty` for prompts without one: align_anything's
+reward functions); grpo_score scores the fixed completions of
 `completions_path` once through TRL's own log-prob and loss code (see grpo_vs_trl.py).
 Writes output_dir/result.json: per-step wall
 times (a callback around each optimizer step), the logged figures of every step, and the token
@@ -202,6 +203,17 @@ def arith_exact_reward(prompts: list, completions: list, answer: list, **kwargs:
     return arith_exact(prompts, texts, answer)
 
 
+def length_penalty_reward(prompts: list, completions: list, **kwargs: Any) -> list:
+    """align_anything's `length_penalty` on TRL's completions (the long rows' reward)."""
+    from align_anything.rewards import length_penalty
+
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return length_penalty(prompts, texts)
+
+
+REWARD_FUNCTIONS = {"arith_exact": arith_exact_reward, "length_penalty": length_penalty_reward}
+
+
 def vllm_args(spec: dict[str, Any]) -> dict[str, Any]:
     """TRL's vLLM colocate mode when the spec asks (grpo_vs_trl.py --vllm), else HF generate."""
     if not spec.get("use_vllm"):
@@ -240,7 +252,8 @@ def grpo_trainer(spec: dict[str, Any], model: Any, tokenizer: Any, dataset: Any,
 
     GRPOTrainer._generate_single_turn = timed_generate
     trainer = GRPOTrainer(
-        model=model, reward_funcs=arith_exact_reward, args=config, train_dataset=dataset,
+        model=model, reward_funcs=REWARD_FUNCTIONS[spec.get("reward", "arith_exact")], args=config,
+        train_dataset=dataset,
         processing_class=tokenizer, callbacks=[timer],
     )  # fmt: skip
     trainer._bench_generation = timings
