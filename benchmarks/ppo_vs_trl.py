@@ -3,6 +3,7 @@ PPOTrainer (TRL 1.12.0, `trl.experimental.ppo`; TRL 1.13 removed it) on the same
 
     python benchmarks/ppo_vs_trl.py --trl-python /work/venv-trl-ppo/bin/python   # SmolLM2, 4 steps
     python benchmarks/ppo_vs_trl.py --model tiny-random-llama --steps 2 --repeats 1 ...  # quick
+    python benchmarks/ppo_vs_trl.py --rows hh --steps 2 --batch 8 --repeats 1 ...  # long prompts
 
 TRL 1.12 cannot share this project's environment (it holds TRL 1.16, without PPOTrainer): its
 side runs in another interpreter (`--trl-python`), e.g. a venv made like this, which reuses this
@@ -26,6 +27,10 @@ head in one optimizer (its `vf_coef` weighs the value loss), align_anything in t
 re-renders the text through the reward model's chat template; the two sample differently
 (align_anything draws each completion from its own seeded generator). One process each,
 interleaved repeats, peak RSS from `wait4`; the table shows medians and ours/TRL ratios.
+
+`--rows hh`: the long rows' prompts instead of arith-prompts (`common.long_pairs`: multi-turn
+HH-RLHF conversations up to their last user turn, at most 512 − max_completion_length
+tokens), as `grpo_vs_trl.py --rows hh`.
 """
 
 from __future__ import annotations
@@ -41,10 +46,12 @@ from typing import Any
 
 from common import (
     MODEL,
+    ROW_SETS,
     SEED,
     RunRecord,
     child_env,
     interleave,
+    long_pairs,
     median,
     read_jsonl,
     run_child,
@@ -65,6 +72,16 @@ def prompt_rows(count: int) -> list[dict[str, Any]]:
     if len(rows) < count:
         raise SystemExit(f"arith-prompts has {len(rows)} rows, fewer than the {count} asked for")
     return [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
+
+
+def long_prompt_rows(count: int, *, max_prompt_length: int, model: str) -> list[dict[str, Any]]:
+    """The prompts of the first `count` long pairs (see `grpo_vs_trl.long_prompt_rows`)."""
+    return [{"prompt": pair["prompt"]} for pair in
+            long_pairs(count, max_length=max_prompt_length, model=model)]  # fmt: skip
+
+
+def max_prompt_length(args: argparse.Namespace) -> int:
+    return 256 if args.rows == "arith" else ROW_SETS["hh"] - args.max_completion_length
 
 
 def default_reward_model(model: str, folder: Path) -> Path:
@@ -88,7 +105,7 @@ def ours_overrides(args: argparse.Namespace, data: Path, reward_model: Path) -> 
     s = SETTINGS
     return [
         "task=ppo", "deepspeed=z0", f"model.name_or_path={args.model}", f"data.path={data}",
-        "data.eval_path=null", "data.eval_fraction=0", "data.max_length=256",
+        "data.eval_path=null", "data.eval_fraction=0", f"data.max_length={max_prompt_length(args)}",
         f"train.max_steps={args.steps}", f"train.per_device_batch_size={args.batch}",
         "train.gradient_accumulation_steps=1", f"train.learning_rate={args.learning_rate}",
         "train.lr_scheduler=constant", "train.weight_decay=0", "train.max_grad_norm=1.0",
@@ -230,6 +247,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-5)
     parser.add_argument("--repeats", type=int, default=2, help="interleaved runs per side")
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS per run")
+    parser.add_argument("--rows", choices=("arith", "hh"), default="arith",
+                        help="arith: the built-in arithmetic prompts; hh: long multi-turn HH-RLHF prompts")  # fmt: skip
     parser.add_argument("--trl-python", default="/work/venv-trl-ppo/bin/python",
                         help="an interpreter with trl==1.12.0 (see above)")  # fmt: skip
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -247,10 +266,13 @@ def main() -> None:
     reward_model = Path(args.reward_model) if args.reward_model else default_reward_model(
         args.model, workdir / "reward-model"
     )  # fmt: skip
-    rows = prompt_rows(args.steps * args.batch)
+    count = args.steps * args.batch
+    rows = (prompt_rows(count) if args.rows == "arith" else
+            long_prompt_rows(count, max_prompt_length=max_prompt_length(args), model=args.model))  # fmt: skip
     order = training_order(len(rows), batch=args.batch, steps=args.steps)
     tokenizer = load_tokenizer(resolve_model_path(args.model))
-    encoded, _ = encode_prompts([rows[i] for i in order], tokenizer, max_prompt_length=256)
+    encoded, _ = encode_prompts([rows[i] for i in order], tokenizer,
+                                max_prompt_length=max_prompt_length(args))  # fmt: skip
     ours_file = workdir / "ours.jsonl"
     write_jsonl(ours_file, rows)
     start = time.perf_counter()
@@ -261,7 +283,7 @@ def main() -> None:
         args.repeats,
     )  # fmt: skip
     print(f"\nload average at the end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s")
-    print(f"{args.model}, {args.steps} steps x {args.batch} prompts x 1 completion, "
+    print(f"{args.model}, {args.rows} rows, {args.steps} steps x {args.batch} prompts x 1 completion, "
           f"max_completion_length {args.max_completion_length}, critic and reference, E=1, M=1")  # fmt: skip
     print(table(records, args.steps))
 
