@@ -219,10 +219,14 @@ def test_the_ppo_benchmarks_side_is_a_valid_run_with_the_shared_settings(tmp_pat
     from align_anything.config import load_config
 
     args = Namespace(model="tiny-random-llama", steps=2, batch=4, max_completion_length=8,
-                     learning_rate=1e-5)  # fmt: skip
+                     learning_rate=1e-5, rows="hh")  # fmt: skip
     reward_model = tmp_path / "rm"
     reward_model.mkdir()
     cfg = load_config(ppo_vs_trl.ours_overrides(args, tmp_path / "rows.jsonl", reward_model))
+    assert cfg.data.max_length == 512 - 8  # the long prompts leave room for the completion
+    args.rows = "arith"
+    cfg = load_config(ppo_vs_trl.ours_overrides(args, tmp_path / "rows.jsonl", reward_model))
+    assert cfg.data.max_length == 256
     s = ppo_vs_trl.SETTINGS
     assert (cfg.ppo.num_generations, cfg.ppo.round_steps()) == (1, (1, 1))
     assert (cfg.ppo.kl_coef, cfg.ppo.epsilon, cfg.ppo.value_clip) == (
