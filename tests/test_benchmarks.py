@@ -23,6 +23,7 @@ import grpo_vs_trl  # noqa: E402
 import image_rl  # noqa: E402
 import image_rl_plain  # noqa: E402
 import kto_vs_trl  # noqa: E402
+import media_dpo  # noqa: E402
 import ppo_vs_trl  # noqa: E402  (imports without TRL: TRL is imported in its child)
 import profile_step  # noqa: E402
 import rm_vs_trl  # noqa: E402
@@ -506,3 +507,39 @@ def test_image_rl_speed_is_the_median_round_after_the_first() -> None:
     assert (summary["ours_cpu_s_per_step"], summary["plain_cpu_s_per_step"]) == (1.0, 1.2)
     assert summary["speed_ours_over_plain"] == pytest.approx(1.2)
     assert summary["max_rel_grad_norm_diff"] == pytest.approx(1e-6, rel=1e-5)
+
+
+def test_the_grpo_benchmarks_long_rows_are_rewarded_alike_on_both_sides(tmp_path: Path) -> None:
+    """`grpo_vs_trl.py --rows hh`: both sides get the same reward (length_penalty, by name for
+    TRL's child) and the prompt length that leaves room for the completion."""
+    from argparse import Namespace
+
+    from align_anything.config import load_config
+
+    args = Namespace(model="tiny-random-llama", steps=2, prompts=2, num_generations=4,
+                     max_completion_length=16, learning_rate=1e-5, rows="hh")  # fmt: skip
+    cfg = load_config(grpo_vs_trl.ours_overrides(args, tmp_path / "rows.jsonl"))
+    assert cfg.reward.functions == ["align_anything.rewards:length_penalty"]
+    assert cfg.data.max_length == 512 - 16
+    spec = grpo_vs_trl.trl_spec(args, tmp_path / "rows.jsonl")
+    assert (spec["reward"], spec["max_length"]) == ("length_penalty", 512 - 16)
+    args.rows = "arith"
+    assert grpo_vs_trl.trl_spec(args, tmp_path / "rows.jsonl")["reward"] == "arith_exact"
+
+
+def test_the_media_benchmark_sets_each_mediums_clip_and_held_out_pairs() -> None:
+    """`media_dpo.py`: video runs sample frames, audio runs cut clips, and both hold out the
+    pairs themselves (the task's default held-out set is the built-in image pairs)."""
+    video = media_dpo.parse_args([])
+    assert (video.model, video.data) == ("tiny-t2v-shapes", "t2v-shapes-pref")
+    assert media_dpo.medium_overrides(video) == [
+        "data.num_frames=8", "data.fps=8.0", "data.eval_path=t2v-shapes-pref"]  # fmt: skip
+    audio = media_dpo.parse_args(["--medium", "audio", "--data", "p.jsonl",
+                                  "--audio-seconds", "0.64"])  # fmt: skip
+    assert audio.model == "tiny-random-audioldm"
+    assert media_dpo.medium_overrides(audio) == [
+        "data.audio_seconds=0.64",
+        "data.eval_path=p.jsonl",
+    ]
+    with pytest.raises(SystemExit):  # no built-in audio pairs to default to
+        media_dpo.parse_args(["--medium", "audio"])
