@@ -263,8 +263,10 @@ def generate(seed: int = SEED) -> dict[str, list[dict]]:
 
 def write_all(directory: Path | None = None) -> dict[str, int]:
     """Regenerate every tones set and clip (`data/builtin/`); returns {name: row count}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from align_anything.data.builtin import BUILTIN_DATASETS, BUILTIN_DIR
-    from align_anything.families.text_to_video.motion import write_parquet
 
     directory = directory or BUILTIN_DIR
     (directory / CLIP_DIR).mkdir(parents=True, exist_ok=True)
@@ -272,7 +274,8 @@ def write_all(directory: Path | None = None) -> dict[str, int]:
         (directory / name).write_bytes(flac_bytes(wave))
     counts = {}
     for name, rows in generate().items():
-        write_parquet(rows, directory / BUILTIN_DATASETS[name])
+        pq.write_table(pa.Table.from_pylist(rows), directory / BUILTIN_DATASETS[name],
+                       compression="zstd")  # fmt: skip
         counts[name] = len(rows)
     return counts
 
