@@ -7,6 +7,7 @@
 #   make train-t2i   set up, then run Diffusion-DPO on the built-in text-to-image model and pairs
 #   make train-t2i-rl  set up, then run online RL (DiffusionNFT) of the built-in flow-matching model
 #   make train-t2v   set up, then run Diffusion-DPO on the built-in text-to-video model and pairs
+#   make train-t2a   set up, then run Diffusion-DPO on the built-in text-to-audio model and pairs
 # and for the vLLM rollout backend (rollout.backend=vllm), its own environment:
 #   make vllm    .venv-vllm: vLLM, its pins and this package (`make test` then runs its tests too)
 # and while developing:
@@ -25,7 +26,7 @@ PY := $(VENV)/bin/python
 # ~/.cache/torch_extensions rebuilt each other's ops whenever the other had built them last.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
-.PHONY: setup train train-grpo train-ppo train-t2i train-t2i-rl train-t2v test test-fast lint bench clean lock vllm
+.PHONY: setup train train-grpo train-ppo train-t2i train-t2i-rl train-t2v train-t2a test test-fast lint bench clean lock vllm
 
 setup: $(VENV)/.installed
 
@@ -128,6 +129,28 @@ train-t2v: setup
 	ok = b <= 0.5 and a >= 0.8; verdict = "PASS" if ok else "FAIL"; \
 	print(f"held-out motion check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.80 after)"); \
 	sys.exit(0 if ok else 1)' $(T2V_RUN_DIR)/summary.json
+
+# The text-to-audio main job (docs/text-to-audio.md): Diffusion-DPO of the built-in tiny-t2a-tones
+# (an AudioLDM-layout pipeline pre-trained on captions whose pitch word is mostly wrong) on
+# the built-in pairs, whose rejected clip is the chosen one's pattern at the other pitch. It
+# passes when the held-out tones check (clips for 32 held-out captions whose dominant frequency
+# is the caption's pitch and whose envelope is its pattern) goes from at most 0.5 before training
+# to at least 0.8 after it. It does not pass yet (0.16 -> 0.06): the base ignores the pitch word
+# (the same seed sounds the same under "low" and "high"), so there is no pitch to reweight;
+# docs/text-to-audio.md lists the runs.
+T2A_RUN_DIR ?= outputs/t2a-$(shell date +%Y%m%d-%H%M%S)
+T2A_ARGS := task=diffusion_dpo deepspeed=z2 model.name_or_path=tiny-t2a-tones \
+	data.path=t2a-tones-pref data.eval_path=t2a-tones-pref-eval \
+	train.max_steps=60 train.per_device_batch_size=16 train.learning_rate=1e-4 \
+	diffusion_dpo.beta=1000 diffusion_dpo.sample_steps=20 'logging.sample_seeds=[0,1]'
+
+train-t2a: setup
+	$(PY) -m align_anything.train $(T2A_ARGS) output_dir=$(T2A_RUN_DIR)
+	@$(PY) -c 'import json, sys; e = json.load(open(sys.argv[1]))["evaluations"]; \
+	b, a = e["before"]["eval/audio_check"], e["after"]["eval/audio_check"]; \
+	ok = b <= 0.5 and a >= 0.8; verdict = "PASS" if ok else "FAIL"; \
+	print(f"held-out tones check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.80 after)"); \
+	sys.exit(0 if ok else 1)' $(T2A_RUN_DIR)/summary.json
 
 # `make test` runs everything; `make test-fast` leaves out the tests marked slow (end-to-end runs
 # of the trainer, the launchers and the scripts). Collecting no tests (pytest's exit 5) fails.

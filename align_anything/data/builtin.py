@@ -64,6 +64,12 @@ BUILTIN_DATASETS: dict[str, str] = {
     "t2v-shapes-pref": "t2v_shapes_pref_train.parquet",
     "t2v-shapes-eval": "t2v_shapes_eval.parquet",
     "t2v-shapes-pref-eval": "t2v_shapes_pref_eval.parquet",
+    # The text-to-audio family's tones (`families/text_to_audio/tones.py` writes them; the sets
+    # name FLAC files under `t2a_tones/`, relative to the set).
+    "t2a-tones": "t2a_tones_train.parquet",
+    "t2a-tones-pref": "t2a_tones_pref_train.parquet",
+    "t2a-tones-eval": "t2a_tones_eval.parquet",
+    "t2a-tones-pref-eval": "t2a_tones_pref_eval.parquet",
     # Questions about pictures of the shapes world, for image-text models
     # (`families/text_to_image/shapes_vqa.py` writes them).
     "shapes-vqa": "shapes_vqa_train.parquet",

@@ -21,7 +21,8 @@ Built-in names serve the offline default run and the tests:
   pipelines (`families/text_to_video/tiny.py`), and `tiny-t2v-shapes`, the project's own
   trained text-to-video pipeline (`families/text_to_video/shapes_model.py`), shipped.
 - `tiny-random-audioldm`: a tiny diffusers text-to-audio pipeline in AudioLDM's layout
-  (`families/text_to_audio/tiny.py`).
+  (`families/text_to_audio/tiny.py`), and `tiny-t2a-tones`, the project's own trained
+  text-to-audio pipeline (`families/text_to_audio/tones_model.py`), shipped.
 
 Each builder lives in its family's room (`families/<family>/builtin.py` or `tiny.py`); this
 table names it by its import path, so the zoo sits below every family.
@@ -105,12 +106,14 @@ SHIPPED_MODELS: dict[str, Path] = {
         Path(__file__).parent / "text_to_image" / "builtin" / "tiny-t2i-shapes-flow"
     ),
     "tiny-t2v-shapes": Path(__file__).parent / "text_to_video" / "builtin" / "tiny-t2v-shapes",
+    "tiny-t2a-tones": Path(__file__).parent / "text_to_audio" / "builtin" / "tiny-t2a-tones",
 }
 # The family of each shipped model.
 SHIPPED_FAMILIES: dict[str, str] = {
     "tiny-t2i-shapes": "text_to_image",
     "tiny-t2i-shapes-flow": "text_to_image",
     "tiny-t2v-shapes": "text_to_video",
+    "tiny-t2a-tones": "text_to_audio",
 }
 
 

@@ -47,10 +47,11 @@ def caption_text(value: Any) -> str | None:
 def read_table(path: str) -> tuple[Any, Any, list[Path], Path]:
     """(Arrow table, row names, files, base folder for relative paths) of a data file or
     folder of data files, through `data.sources.load_dataset`."""
+    from align_anything.data.builtin import builtin_path
     from align_anything.data.sources import JSON_LINE, columns_of, load_dataset, row_dicts
 
     dataset, _, names, files = load_dataset(path, "train")
-    local = Path(path).expanduser()
+    local = builtin_path(path) or Path(path).expanduser()  # a built-in set: its shipped file
     base = local.resolve() if local.is_dir() else local.resolve().parent
     if JSON_LINE in dataset.column_names:
         import pyarrow as pa

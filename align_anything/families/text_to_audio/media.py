@@ -1,7 +1,8 @@
 """The audio medium of the pipeline families (`AUDIO`, a `families.diffusion.family.Medium`):
 how audio files are read and checked (`audio`), made into the log-mel spectrogram the VAE
 encodes ([1, frames, mels], the VAE's one-channel "image"), drawn by a text-to-audio pipeline,
-and written as WAV files with a PNG of their spectrograms.
+written as WAV files with a PNG of their spectrograms, and checked on built-in data (the tones
+world's pitch and pattern rule, `tones`).
 
 The medium's own settings are bound once at set-up (`configure`): the clip length
 (`data.audio_seconds`, as mel frames: the run's "resolution") and the pipeline's sampling
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from align_anything.families.diffusion import sampling
-from align_anything.families.diffusion.family import Medium
+from align_anything.families.diffusion.family import Medium, OutputCheck
 from align_anything.families.diffusion.latents import LATENT_ENCODER_VERSION, files_digest
 from align_anything.families.text_to_audio.audio import (
     MEL_FMAX,
@@ -142,6 +143,23 @@ def save_samples(rows: list[list[np.ndarray]], path: Path, row_labels: list[str]
                               row_labels=row_labels, column_labels=column_labels)  # fmt: skip
 
 
+def tones_check(data_path: Any) -> OutputCheck | None:
+    """The audio check of built-in data (the tones sets: does each clip drawn for a held-out
+    caption sound at the caption's pitch, in its pattern), None otherwise."""
+    from align_anything.data.builtin import builtin_path
+    from align_anything.families.text_to_audio import tones
+
+    if not isinstance(data_path, str) or not data_path.startswith("t2a-tones"):
+        return None
+    if builtin_path(data_path) is None:
+        return None
+    rows = tones.read_parquet(builtin_path("t2a-tones-eval"))
+    return OutputCheck(
+        name="tones", captions=[r["text"] for r in rows], seeds=[int(r["seed"]) for r in rows],
+        rule=tones.match_rate,
+    )  # fmt: skip
+
+
 def configure(cfg: Any, info: Any) -> Medium:
     """The medium bound to the run's clip length and the pipeline's rate, hop and mel bins
     (the frames were checked by `family.resolution_of`)."""
@@ -180,6 +198,6 @@ def _unbound(*_: Any, **__: Any) -> Any:
 
 AUDIO = Medium(
     name="audio", unit="clips", read_source=_unbound, key_parts=_unbound, refs=audio_refs,
-    prepare=_unbound, sample=_unbound, save_samples=_unbound, check=lambda data_path: None,
+    prepare=_unbound, sample=_unbound, save_samples=_unbound, check=tones_check,
     describe=_unbound, configure=configure,
 )  # fmt: skip
