@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # Each medium's built-in model and preference pairs.
 BUILT_IN = {"video": ("tiny-t2v-shapes", "t2v-shapes-pref"),
-            "audio": ("tiny-random-audioldm", None)}  # fmt: skip
+            "audio": ("tiny-t2a-tones", "t2a-tones-pref")}  # fmt: skip
 
 
 def medium_overrides(args: argparse.Namespace) -> list[str]:

@@ -534,12 +534,12 @@ def test_the_media_benchmark_sets_each_mediums_clip_and_held_out_pairs() -> None
     assert (video.model, video.data) == ("tiny-t2v-shapes", "t2v-shapes-pref")
     assert media_dpo.medium_overrides(video) == [
         "data.num_frames=8", "data.fps=8.0", "data.eval_path=t2v-shapes-pref"]  # fmt: skip
-    audio = media_dpo.parse_args(["--medium", "audio", "--data", "p.jsonl",
-                                  "--audio-seconds", "0.64"])  # fmt: skip
-    assert audio.model == "tiny-random-audioldm"
+    audio = media_dpo.parse_args(["--medium", "audio"])
+    assert (audio.model, audio.data) == ("tiny-t2a-tones", "t2a-tones-pref")
+    assert media_dpo.medium_overrides(audio) == ["data.eval_path=t2a-tones-pref"]
+    audio = media_dpo.parse_args(["--medium", "audio", "--model", "tiny-random-audioldm",
+                                  "--data", "p.jsonl", "--audio-seconds", "0.64"])  # fmt: skip
     assert media_dpo.medium_overrides(audio) == [
         "data.audio_seconds=0.64",
         "data.eval_path=p.jsonl",
     ]
-    with pytest.raises(SystemExit):  # no built-in audio pairs to default to
-        media_dpo.parse_args(["--medium", "audio"])
