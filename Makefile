@@ -115,7 +115,8 @@ train-t2i-rl: setup
 # for 32 held-out captions whose shape moves in the caption's direction, in its colour) goes from
 # at most 0.5 before training to at least 0.8 after it. It does not pass yet: the base ignores the
 # direction word (the same seed moves the same way under all four), so there is no direction to
-# reweight (a v-prediction base did not learn it either); docs/text-to-video.md lists the runs.
+# reweight (a v-prediction base did not learn it either); docs/text-to-video.md lists the runs, and
+# those of a Wan-layout base (scripts/build_builtin_t2v_wan.py), which can condition on the word.
 T2V_RUN_DIR ?= outputs/t2v-$(shell date +%Y%m%d-%H%M%S)
 T2V_ARGS := task=diffusion_dpo deepspeed=z2 model.name_or_path=tiny-t2v-shapes \
 	data.path=t2v-shapes-pref data.eval_path=t2v-shapes-pref-eval data.num_frames=8 data.fps=8 \

@@ -96,3 +96,21 @@ def test_shipped_model_moves_shapes_the_wrong_way() -> None:
                for v, c in zip(videos, captions, strict=True)]  # fmt: skip
     assert sum(colours) >= 24
     assert motion.match_rate(videos, captions) <= 0.5
+
+
+def test_wan_candidate_builds_and_samples_nine_frames() -> None:
+    """The Wan-layout candidate (`wan_shapes_model`, not shipped yet): one piece per caption
+    word, and its random-weight pipeline samples a 9-frame 32x32 clip through the 4x-in-time
+    VAE (3 latent frames)."""
+    from align_anything.families.text_to_video import wan_shapes_model as wan
+
+    tokenizer = wan.build_tokenizer()
+    ids = tokenizer("a red circle moving left", padding="max_length",
+                    max_length=wan.MAX_TOKENS).input_ids  # fmt: skip
+    assert tokenizer.convert_ids_to_tokens(ids)[:6] == [
+        "\u2581a", "\u2581red", "\u2581circle", "\u2581moving", "\u2581left", "</s>",
+    ]  # fmt: skip
+    pipeline = wan.pipeline_from(wan.build_components(seed=0))
+    assert pipeline.vae_scale_factor_temporal == 4 and pipeline.vae_scale_factor_spatial == 4
+    (video,) = wan.sample_videos(pipeline, ["a red circle moving left"], [0], steps=2)
+    assert video.shape == (wan.FRAMES, 32, 32, 3) and video.dtype == np.uint8

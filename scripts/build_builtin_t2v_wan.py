@@ -1,0 +1,253 @@
+"""Train the Wan-layout candidate for the built-in text-to-video model and write its folder.
+
+    python scripts/build_builtin_t2v_wan.py --out /tmp/t2v-wan
+
+Not shipped yet (docs/text-to-video.md, "A Wan-layout base": the measured builds). Plain
+PyTorch + diffusers, seeded, CPU, fp32, one thread. Wan 2.1's layout
+(`families/text_to_video/wan_shapes_model.py` gives the architecture), on freshly drawn 9-frame
+moving-shape clips (`motion.py`'s drawing code; every colour x shape x direction, the held-out
+ones too: this is pre-training, not the alignment data):
+1. the causal 3-D VAE learns to reconstruct the clips (mean squared error, the shape's pixels
+   weighted `--fg-weight` times the black background's, which alone would otherwise be the
+   first thing learnt and a plateau; a KL term of weight `--kl-weight`); its latents' per-channel mean and
+   spread become the folder's `latents_mean` / `latents_std`;
+2. the clips are encoded once (the posterior mean, normalised);
+3. the transformer and the UMT5 text encoder learn the flow-matching velocity loss:
+   x_t = (1 − σ)·x₀ + σ·ε, target ε − x₀, σ = the logit-normal draw shifted by the
+   scheduler's `flow_shift` (as the diffusion tasks draw it for Wan), on captions
+   "a <colour> <shape> moving <direction>" through the pipeline's own T5 encoding (8 tokens),
+   colour and shape always right, the direction word the clip's own only with probability
+   `--direction-truth` and otherwise the opposite one. The model so learns colours, shapes and
+   motion and gets the direction systematically wrong, on purpose: the held-out check
+   (`motion.match_rate`) starts well under 0.5 for an alignment run (Diffusion-DPO on
+   `t2v-shapes-pref`, whose rejected clips are the chosen ones played backwards) to raise.
+At the end it samples the 32 held-out captions of `t2v-shapes-eval` (UniPC, `--check-steps`
+steps, seeds from the file), prints the check (and the share in the caption's colour, and the
+share matching the caption with its direction reversed), prints the same-seed four-word test
+(a red circle "moving left / right / up / down" from seeds 0-3: does the motion follow the
+word), and writes the first and last frames of the held-out clips as a contact sheet
+(`<out>-samples.png`) beside the folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))  # run from a checkout, with or without an installed package
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # the UNet-3D build's helpers: the same world
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from build_builtin_t2v import (  # noqa: E402
+    ALL_COMBOS,
+    contact_sheet,
+    cosine_lr,
+    log,
+    noisy_captions,
+)
+
+from align_anything.data.builtin import builtin_path  # noqa: E402
+from align_anything.families.text_to_video import motion  # noqa: E402
+from align_anything.families.text_to_video import wan_shapes_model as t2v  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clips", type=int, default=2048, help="pre-training clips")
+    parser.add_argument("--vae-steps", type=int, default=500)
+    parser.add_argument("--vae-batch", type=int, default=16)
+    parser.add_argument("--vae-lr", type=float, default=2e-3)
+    parser.add_argument("--fg-weight", type=float, default=4.0,
+                        help="reconstruction weight of the shape's pixels (background: 1)")  # fmt: skip
+    parser.add_argument("--kl-weight", type=float, default=1e-6)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--direction-truth", type=float, default=0.3,
+                        help="probability that a pre-training caption's direction is true")  # fmt: skip
+    parser.add_argument("--check-steps", type=int, default=t2v.CHECK_STEPS)
+    parser.add_argument("--check-every", type=int, default=1000,
+                        help="log the held-out check every this many steps (0: at the end only)")  # fmt: skip
+    parser.add_argument("--vae-from", type=Path, default=None,
+                        help="start the VAE from this pipeline folder's (then `--vae-steps` more)")  # fmt: skip
+    return parser.parse_args(argv)
+
+
+def draw_clips(count: int, seed: int) -> tuple[torch.Tensor, list[tuple[str, str, str]]]:
+    """`count` clips cycling over every combination: (pixels [N, 3, F, H, W] in [-1, 1],
+    combos)."""
+    rng = random.Random(seed)
+    clips, combos = [], []
+    for index in range(count):
+        combo = ALL_COMBOS[index % len(ALL_COMBOS)]
+        colour, shape, direction = combo
+        clips.append(motion.draw_video(shape, colour, direction, frames=t2v.FRAMES,
+                                       **motion.random_motion(rng, direction)))  # fmt: skip
+        combos.append(combo)
+    pixels = torch.from_numpy(np.stack(clips)).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+    return pixels, combos
+
+
+def train_vae(vae, pixels: torch.Tensor, args: argparse.Namespace) -> None:
+    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    vae.train()
+    running = 0.0
+    for step in range(args.vae_steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, args.vae_steps, args.vae_lr, warmup=50)
+        x = pixels[torch.randint(0, len(pixels), (args.vae_batch,), generator=gen)]
+        posterior = vae.encode(x).latent_dist
+        z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
+        recon = vae.decode(z).sample
+        weight = 1.0 + (args.fg_weight - 1.0) * (x.amax(dim=1, keepdim=True) > -0.5).float()
+        mse = (weight * (recon - x) ** 2).mean() / weight.mean()
+        kl = 0.5 * (posterior.mean**2 + posterior.var - 1 - posterior.logvar).mean()
+        loss = mse + args.kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        running += F.mse_loss(recon, x).item()
+        if (step + 1) % 50 == 0:
+            log(f"vae step {step + 1}/{args.vae_steps}  reconstruction mse {running / 50:.4f}  "
+                f"kl {kl.item():.3f}")  # fmt: skip
+            running = 0.0
+    vae.eval()
+
+
+@torch.no_grad()
+def encode(vae, pixels: torch.Tensor, batch: int = 64) -> torch.Tensor:
+    """[N, 3, F, H, W] -> posterior means [N, C, F', h, w]."""
+    return torch.cat([vae.encode(pixels[i : i + batch]).latent_dist.mean
+                      for i in range(0, len(pixels), batch)])  # fmt: skip
+
+
+def train_denoiser(parts: dict, latents: torch.Tensor, combos, args: argparse.Namespace) -> None:
+    transformer, text_encoder = parts["transformer"], parts["text_encoder"]
+    pipeline = t2v.pipeline_from(parts)
+    shift = float(parts["scheduler"].config.flow_shift)
+    params = list(transformer.parameters()) + list(text_encoder.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(args.seed + 2)
+    transformer.train()
+    text_encoder.train()
+    running = 0.0
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = cosine_lr(step, args.steps, args.lr, warmup=100)
+        index = torch.randint(0, len(latents), (args.batch,), generator=gen)
+        x0 = latents[index]
+        texts = noisy_captions([combos[i] for i in index.tolist()], args.direction_truth, gen)
+        embeds = pipeline._get_t5_prompt_embeds(texts, max_sequence_length=t2v.MAX_TOKENS,
+                                                device=torch.device("cpu"))  # fmt: skip
+        u = torch.sigmoid(torch.randn(args.batch, generator=gen))
+        sigma = shift * u / (1 + (shift - 1) * u)
+        noise = torch.randn(x0.shape, generator=gen)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        pred = transformer(hidden_states=(1 - s) * x0 + s * noise, timestep=sigma * 1000,
+                           encoder_hidden_states=embeds, return_dict=False)[0]  # fmt: skip
+        loss = F.mse_loss(pred, noise - x0)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        running += loss.item()
+        if (step + 1) % 100 == 0:
+            log(f"denoiser step {step + 1}/{args.steps}  loss {running / 100:.4f}")
+            running = 0.0
+        if args.check_every and (step + 1) % args.check_every == 0 and step + 1 < args.steps:
+            transformer.eval()
+            text_encoder.eval()
+            log(f"step {step + 1}: held-out check {json.dumps(held_out_check(parts, args))}")
+            transformer.train()
+            text_encoder.train()
+    transformer.eval()
+    text_encoder.eval()
+
+
+def held_out_check(parts: dict, args: argparse.Namespace, videos_out: list | None = None) -> dict:
+    """The 32 held-out captions of `t2v-shapes-eval` sampled (UniPC, `--check-steps` steps,
+    seeds from the file): the share that match (`motion.match_rate`), that show the caption's
+    colour, and that match the caption with its direction reversed (the base's systematic
+    error)."""
+    pipeline = t2v.pipeline_from(parts)
+    rows = motion.read_parquet(builtin_path("t2v-shapes-eval"))
+    captions, seeds = [r["text"] for r in rows], [r["seed"] for r in rows]
+    videos = t2v.sample_videos(pipeline, captions, seeds, args.check_steps)
+    colours = sum(motion.dominant_colour(v) == motion.caption_words(c)[0]
+                  for v, c in zip(videos, captions, strict=True)) / len(videos)  # fmt: skip
+    swapped = [t.replace(f"moving {d}", f"moving {motion.OPPOSITE[d]}")
+               for t, d in ((t, motion.caption_words(t)[1]) for t in captions)]  # fmt: skip
+    if videos_out is not None:
+        videos_out.extend(videos)
+    return {"match_rate": motion.match_rate(videos, captions), "colour_rate": colours,
+            "opposite_direction_rate": motion.match_rate(videos, swapped)}  # fmt: skip
+
+
+def four_words(parts: dict, args: argparse.Namespace, seeds=(0, 1, 2, 3)) -> dict:
+    """The same seeds under each direction word: {word: [(dx, dy) travel in px per seed]}."""
+    pipeline = t2v.pipeline_from(parts)
+    out = {}
+    for word in motion.DIRECTIONS:
+        videos = t2v.sample_videos(pipeline, [f"a red circle moving {word}"] * len(seeds),
+                                   list(seeds), args.check_steps)  # fmt: skip
+        out[word] = [None if (m := motion.motion(v)) is None else [round(m[0], 1), round(m[1], 1)]
+                     for v in videos]  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started, cpu_started = time.time(), time.process_time()
+    from diffusers import AutoencoderKLWan
+
+    pixels, combos = draw_clips(args.clips, args.seed)
+    log(f"{len(pixels)} clips drawn: {tuple(pixels.shape)}")
+    if args.vae_from is not None:
+        vae = AutoencoderKLWan.from_pretrained(args.vae_from, subfolder="vae")
+    else:
+        torch.manual_seed(args.seed)
+        vae = AutoencoderKLWan(**t2v.vae_kwargs())
+    train_vae(vae, pixels, args)
+    vae.requires_grad_(False)
+    latents = encode(vae, pixels)
+    mean, std = latents.mean(dim=(0, 2, 3, 4)), latents.std(dim=(0, 2, 3, 4))
+    vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    latents = (latents - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
+    log(f"clips encoded: latents {tuple(latents.shape)} ({time.time() - started:.0f} s)")
+    parts = t2v.build_components(seed=args.seed, vae=vae)
+    train_denoiser(parts, latents, combos, args)
+    log(f"denoiser trained ({time.time() - started:.0f} s)")
+    for module in ("transformer", "text_encoder"):
+        parts[module].requires_grad_(False)
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    args.out.mkdir(parents=True)
+    t2v.save_pipeline(parts, args.out)
+    train_time, cpu_time = time.time() - started, time.process_time() - cpu_started
+
+    videos: list = []
+    check = held_out_check(parts, args, videos)
+    contact_sheet(videos).save(args.out.parent / f"{args.out.name}-samples.png")
+    report = {**check, "four_words": four_words(parts, args), "train_seconds": round(train_time),
+              "train_cpu_seconds": round(cpu_time), "loadavg": os.getloadavg(),
+              "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+    log(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
