@@ -77,6 +77,15 @@ train-ppo: setup
 	$(PY) -m align_anything.train task=ppo deepspeed=z3 \
 		reward.model=$(PPO_RUN_DIR)/rm/final ppo.critic_init=reward_model output_dir=$(PPO_RUN_DIR)/ppo
 
+# The main jobs' verdict, from a run's summary.json: PASS when its held-out check `$(2)` (named
+# `$(3)` in the line printed) was at most 0.5 before training and at least `$(4)` after it;
+# the exit status says the same. $(call held_out_verdict,SUMMARY,METRIC,LABEL,FLOOR)
+held_out_verdict = @$(PY) -c 'import json, sys; path, key, label, floor = sys.argv[1:]; \
+	e = json.load(open(path))["evaluations"]; b, a = e["before"][key], e["after"][key]; \
+	ok = b <= 0.5 and a >= float(floor); verdict = "PASS" if ok else "FAIL"; \
+	print(f"held-out {label} {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least {float(floor):.2f} after)"); \
+	sys.exit(0 if ok else 1)' $(1) $(2) "$(3)" $(4)
+
 # The text-to-image main job: Diffusion-DPO of the built-in tiny-t2i-shapes on the built-in
 # preference pairs (task defaults: configs/task/diffusion_dpo.yaml). It passes when the held-out
 # colour check (images for 32 held-out captions whose dominant colour is the one named) goes from
@@ -85,11 +94,7 @@ T2I_RUN_DIR ?= outputs/t2i-$(shell date +%Y%m%d-%H%M%S)
 
 train-t2i: setup
 	$(PY) -m align_anything.train task=diffusion_dpo deepspeed=z2 output_dir=$(T2I_RUN_DIR)
-	@$(PY) -c 'import json, sys; e = json.load(open(sys.argv[1]))["evaluations"]; \
-	b, a = e["before"]["eval/image_check"], e["after"]["eval/image_check"]; \
-	ok = b <= 0.5 and a >= 0.8; verdict = "PASS" if ok else "FAIL"; \
-	print(f"held-out colour check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.80 after)"); \
-	sys.exit(0 if ok else 1)' $(T2I_RUN_DIR)/summary.json
+	$(call held_out_verdict,$(T2I_RUN_DIR)/summary.json,eval/image_check,colour check,0.8)
 
 # The text-to-image online RL main job (docs/tasks/image-rl.md): DiffusionNFT of the built-in
 # tiny-t2i-shapes-flow (the flow-matching sibling of tiny-t2i-shapes, the same colour confusion)
@@ -103,11 +108,7 @@ T2I_RL_ARGS := task=diffusion_nft deepspeed=z2 model.name_or_path=tiny-t2i-shape
 
 train-t2i-rl: setup
 	$(PY) -m align_anything.train $(T2I_RL_ARGS) output_dir=$(T2I_RL_RUN_DIR)
-	@$(PY) -c 'import json, sys; e = json.load(open(sys.argv[1]))["evaluations"]; \
-	b, a = e["before"]["eval/image_check"], e["after"]["eval/image_check"]; \
-	ok = b <= 0.5 and a >= 0.95; verdict = "PASS" if ok else "FAIL"; \
-	print(f"held-out colour check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.95 after)"); \
-	sys.exit(0 if ok else 1)' $(T2I_RL_RUN_DIR)/summary.json
+	$(call held_out_verdict,$(T2I_RL_RUN_DIR)/summary.json,eval/image_check,colour check,0.95)
 
 # The text-to-video main job (docs/text-to-video.md): Diffusion-DPO of the built-in tiny-t2v-shapes
 # (a UNet-3D text-to-video pipeline that moves shapes the wrong way) on the built-in pairs, whose
@@ -125,11 +126,7 @@ T2V_ARGS := task=diffusion_dpo deepspeed=z2 model.name_or_path=tiny-t2v-shapes \
 
 train-t2v: setup
 	$(PY) -m align_anything.train $(T2V_ARGS) output_dir=$(T2V_RUN_DIR)
-	@$(PY) -c 'import json, sys; e = json.load(open(sys.argv[1]))["evaluations"]; \
-	b, a = e["before"]["eval/video_check"], e["after"]["eval/video_check"]; \
-	ok = b <= 0.5 and a >= 0.8; verdict = "PASS" if ok else "FAIL"; \
-	print(f"held-out motion check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.80 after)"); \
-	sys.exit(0 if ok else 1)' $(T2V_RUN_DIR)/summary.json
+	$(call held_out_verdict,$(T2V_RUN_DIR)/summary.json,eval/video_check,motion check,0.8)
 
 # The text-to-audio main job (docs/text-to-audio.md): Diffusion-DPO of the built-in tiny-t2a-tones
 # (an AudioLDM-layout pipeline pre-trained on captions whose pitch word is mostly wrong) on
@@ -147,11 +144,7 @@ T2A_ARGS := task=diffusion_dpo deepspeed=z2 model.name_or_path=tiny-t2a-tones \
 
 train-t2a: setup
 	$(PY) -m align_anything.train $(T2A_ARGS) output_dir=$(T2A_RUN_DIR)
-	@$(PY) -c 'import json, sys; e = json.load(open(sys.argv[1]))["evaluations"]; \
-	b, a = e["before"]["eval/audio_check"], e["after"]["eval/audio_check"]; \
-	ok = b <= 0.5 and a >= 0.8; verdict = "PASS" if ok else "FAIL"; \
-	print(f"held-out tones check {b:.2f} -> {a:.2f}: {verdict} (at most 0.50 before, at least 0.80 after)"); \
-	sys.exit(0 if ok else 1)' $(T2A_RUN_DIR)/summary.json
+	$(call held_out_verdict,$(T2A_RUN_DIR)/summary.json,eval/audio_check,tones check,0.8)
 
 # `make test` runs everything; `make test-fast` leaves out the tests marked slow (end-to-end runs
 # of the trainer, the launchers and the scripts). Collecting no tests (pytest's exit 5) fails.
