@@ -147,6 +147,26 @@ def long_pairs(
     )
 
 
+def long_prompts(count: int, *, max_prompt_length: int, model: str = MODEL) -> list[dict[str, Any]]:
+    """The online-RL benchmarks' long rows: the prompts of the first `count` long pairs
+    (multi-turn HH-RLHF conversations up to their last user turn) that fit
+    `max_prompt_length` tokens with their answers."""
+    return [{"prompt": pair["prompt"]} for pair in
+            long_pairs(count, max_length=max_prompt_length, model=model)]  # fmt: skip
+
+
+# The online-RL benchmarks' prompt length on the arithmetic rows (short prompts).
+ARITH_PROMPT_LENGTH = 256
+
+
+def rl_prompt_length(row_set: str, max_completion_length: int) -> int:
+    """The longest prompt an online-RL benchmark encodes: 256 tokens for the arithmetic rows;
+    for the long rows what leaves room for the completion within their 512."""
+    if row_set == "arith":
+        return ARITH_PROMPT_LENGTH
+    return ROW_SETS[row_set] - max_completion_length
+
+
 def long_conversations(pairs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """SFT's long rows: each pair's prompt + chosen answer as one conversation."""
     return [{"messages": p["prompt"] + p["chosen"]} for p in pairs]

@@ -53,15 +53,15 @@ from typing import Any
 
 from common import (
     MODEL,
-    ROW_SETS,
     SEED,
     TRL_CHILD,
     RunRecord,
     child_env,
     interleave,
-    long_pairs,
+    long_prompts,
     median,
     read_jsonl,
+    rl_prompt_length,
     run_child,
     training_order,
     write_jsonl,
@@ -81,19 +81,8 @@ def prompt_rows(count: int) -> list[dict[str, Any]]:
     return [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
 
 
-def long_prompt_rows(count: int, *, max_prompt_length: int, model: str) -> list[dict[str, Any]]:
-    """The prompts of the first `count` long pairs (multi-turn HH-RLHF conversations up to
-    their last user turn) that fit `max_prompt_length` tokens with their answers."""
-    return [{"prompt": pair["prompt"]} for pair in
-            long_pairs(count, max_length=max_prompt_length, model=model)]  # fmt: skip
-
-
 # Per row set: the reward both sides compute, and the prompt length each allows.
 REWARDS = {"arith": "arith_exact", "hh": "length_penalty"}
-
-
-def max_prompt_length(args: argparse.Namespace) -> int:
-    return 256 if args.rows == "arith" else ROW_SETS["hh"] - args.max_completion_length
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,7 +96,8 @@ def ours_overrides(args: argparse.Namespace, data: Path) -> list[str]:
     s = settings(args)
     return [
         "task=grpo", "deepspeed=z0", f"model.name_or_path={args.model}", f"data.path={data}",
-        "data.eval_path=null", "data.eval_fraction=0", f"data.max_length={max_prompt_length(args)}",
+        "data.eval_path=null", "data.eval_fraction=0",
+        f"data.max_length={rl_prompt_length(args.rows, args.max_completion_length)}",
         f"train.max_steps={args.steps}",
         f"train.per_device_batch_size={args.prompts * args.num_generations}",
         "train.gradient_accumulation_steps=1", f"train.learning_rate={args.learning_rate}",
@@ -130,7 +120,8 @@ def trl_spec(args: argparse.Namespace, rows_path: Path) -> dict[str, Any]:
     return {
         "task": "grpo", "model_path": str(resolve_model_path(args.model)),
         "rows_path": str(rows_path), "batch": args.prompts * args.num_generations,
-        "steps": args.steps, "max_length": max_prompt_length(args),
+        "steps": args.steps,
+        "max_length": rl_prompt_length(args.rows, args.max_completion_length),
         "reward": REWARDS[args.rows], "learning_rate": args.learning_rate,
         "seed": SEED, "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.0,
         "max_grad_norm": 1.0, "gradient_checkpointing": False, "optim": "adamw_torch_fused",
@@ -373,10 +364,12 @@ def main() -> None:
     env = child_env(args.threads)
     print(f"work folder {workdir}", flush=True)
     if not args.agreement_only:
-        count = args.steps * args.prompts
+        count, prompt_length = (
+            args.steps * args.prompts,
+            rl_prompt_length(args.rows, args.max_completion_length),
+        )
         rows = (prompt_rows(count) if args.rows == "arith" else
-                long_prompt_rows(count, max_prompt_length=max_prompt_length(args),
-                                 model=args.model))  # fmt: skip
+                long_prompts(count, max_prompt_length=prompt_length, model=args.model))  # fmt: skip
         order = training_order(len(rows), batch=args.prompts, steps=args.steps)
         ours_file, trl_file = workdir / "ours.jsonl", workdir / "trl.jsonl"
         write_jsonl(ours_file, rows)

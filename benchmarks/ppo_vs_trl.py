@@ -46,14 +46,14 @@ from typing import Any
 
 from common import (
     MODEL,
-    ROW_SETS,
     SEED,
     RunRecord,
     child_env,
     interleave,
-    long_pairs,
+    long_prompts,
     median,
     read_jsonl,
+    rl_prompt_length,
     run_child,
     training_order,
     write_jsonl,
@@ -72,16 +72,6 @@ def prompt_rows(count: int) -> list[dict[str, Any]]:
     if len(rows) < count:
         raise SystemExit(f"arith-prompts has {len(rows)} rows, fewer than the {count} asked for")
     return [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]
-
-
-def long_prompt_rows(count: int, *, max_prompt_length: int, model: str) -> list[dict[str, Any]]:
-    """The prompts of the first `count` long pairs (see `grpo_vs_trl.long_prompt_rows`)."""
-    return [{"prompt": pair["prompt"]} for pair in
-            long_pairs(count, max_length=max_prompt_length, model=model)]  # fmt: skip
-
-
-def max_prompt_length(args: argparse.Namespace) -> int:
-    return 256 if args.rows == "arith" else ROW_SETS["hh"] - args.max_completion_length
 
 
 def default_reward_model(model: str, folder: Path) -> Path:
@@ -105,7 +95,8 @@ def ours_overrides(args: argparse.Namespace, data: Path, reward_model: Path) -> 
     s = SETTINGS
     return [
         "task=ppo", "deepspeed=z0", f"model.name_or_path={args.model}", f"data.path={data}",
-        "data.eval_path=null", "data.eval_fraction=0", f"data.max_length={max_prompt_length(args)}",
+        "data.eval_path=null", "data.eval_fraction=0",
+        f"data.max_length={rl_prompt_length(args.rows, args.max_completion_length)}",
         f"train.max_steps={args.steps}", f"train.per_device_batch_size={args.batch}",
         "train.gradient_accumulation_steps=1", f"train.learning_rate={args.learning_rate}",
         "train.lr_scheduler=constant", "train.weight_decay=0", "train.max_grad_norm=1.0",
@@ -266,13 +257,16 @@ def main() -> None:
     reward_model = Path(args.reward_model) if args.reward_model else default_reward_model(
         args.model, workdir / "reward-model"
     )  # fmt: skip
-    count = args.steps * args.batch
+    count, prompt_length = (
+        args.steps * args.batch,
+        rl_prompt_length(args.rows, args.max_completion_length),
+    )
     rows = (prompt_rows(count) if args.rows == "arith" else
-            long_prompt_rows(count, max_prompt_length=max_prompt_length(args), model=args.model))  # fmt: skip
+            long_prompts(count, max_prompt_length=prompt_length, model=args.model))  # fmt: skip
     order = training_order(len(rows), batch=args.batch, steps=args.steps)
     tokenizer = load_tokenizer(resolve_model_path(args.model))
     encoded, _ = encode_prompts([rows[i] for i in order], tokenizer,
-                                max_prompt_length=max_prompt_length(args))  # fmt: skip
+                                max_prompt_length=prompt_length)  # fmt: skip
     ours_file = workdir / "ours.jsonl"
     write_jsonl(ours_file, rows)
     start = time.perf_counter()

@@ -194,21 +194,25 @@ def main(spec_path: str) -> None:
     (Path(spec["output_dir"]) / "result.json").write_text(json.dumps(result))
 
 
+def completion_texts(completions: list) -> list[str]:
+    """TRL's completions as text (message lists for conversational prompts: the assistant
+    turn's text)."""
+    return [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+
+
 def arith_exact_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list:
     """align_anything's `arith_exact` on TRL's completions (message lists for conversational
     prompts: the assistant turn's text)."""
     from align_anything.rewards import arith_exact
 
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return arith_exact(prompts, texts, answer)
+    return arith_exact(prompts, completion_texts(completions), answer)
 
 
 def length_penalty_reward(prompts: list, completions: list, **kwargs: Any) -> list:
     """align_anything's `length_penalty` on TRL's completions (the long rows' reward)."""
     from align_anything.rewards import length_penalty
 
-    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-    return length_penalty(prompts, texts)
+    return length_penalty(prompts, completion_texts(completions))
 
 
 REWARD_FUNCTIONS = {"arith_exact": arith_exact_reward, "length_penalty": length_penalty_reward}
