@@ -154,7 +154,8 @@ def check_audio(ref: AudioRef, checks: Checks = Checks()) -> str | None:
     if checks.refuse_silence:
         frames = round(checks.seconds * info.samplerate) if checks.seconds else -1
         samples, _ = soundfile.read(str(ref.path), frames=frames, dtype="float32", always_2d=True)
-        peak = float(np.abs(to_mono(samples) - to_mono(samples).mean()).max(initial=0.0))
+        mono = to_mono(samples)
+        peak = float(np.abs(mono - mono.mean()).max(initial=0.0))
         if peak < SILENCE_PEAK:
             used = f"its first {checks.seconds:g} s" if checks.seconds else "the file"
             return (
