@@ -414,7 +414,10 @@ def run_inline(
     as `launch` would return it.
 
     For tests of what a run computes and writes (losses, metrics, checkpoints, exports), not of
-    how a process behaves (signals, launchers, exit of a killed process, several ranks): a launch
+    how a process behaves (signals, launchers, exit of a killed process, several ranks), nor of
+    runs whose data step forks worker processes (`data.num_proc` > 1 on 4,000 rows or more):
+    those fork from a process of their own, as a user's run does, never from this test worker
+    with the threads and state of every test before (one such fork here hung CI once). A launch
     spends 5-10 s importing torch, transformers, deepspeed and datasets, which this process has
     already done. As in `spawn`: hub offline, no inherited rank variables, one compute thread.
     The run's own clean-up destroys its process group; the rank variables the one-process group

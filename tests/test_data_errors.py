@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TINY_MODEL, finish, launch, run_inline, spawn
+from conftest import TINY_MODEL, finish, launch, spawn
 
 from align_anything.data.synthetic import make_dataset
 from align_anything.train import main
@@ -105,16 +105,20 @@ def test_a_read_only_cache_dir_is_one_error(tmp_path: Path, capsys: pytest.Captu
     )
 
 
-@pytest.mark.usefixtures("in_process_offline")
-def test_a_full_cache_dir_is_one_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.slow
+def test_a_full_cache_dir_is_one_error(tmp_path: Path) -> None:
     """A real full filesystem: a 256 KiB tmpfs (as root; skipped elsewhere, where the next test
-    injects the error instead), filled by 2 `datasets` worker processes."""
+    injects the error instead), filled by 2 `datasets` worker processes (of a launched run:
+    workers are never forked from this test process)."""
     data = _pairs(tmp_path / "pairs.jsonl", 4400)
     with _tmpfs(tmp_path / "small", "size=256k") as folder:
         cache_dir = folder / "cache"
-        err = _run(["task=dpo", TINY, f"data.path={data}", "data.num_proc=2", "data.max_length=64",
-                    f"data.cache_dir={cache_dir}"], tmp_path, capsys)  # fmt: skip
+        run = launch(["task=dpo", TINY, f"data.path={data}", "data.num_proc=2",
+                      "data.max_length=64", f"data.cache_dir={cache_dir}"], tmp_path / "out")  # fmt: skip
         assert list(cache_dir.iterdir()) == []  # the half-built entry was removed
+    assert run.returncode == 2, run.output[-4000:]
+    assert "Traceback" not in run.output and not run.metrics, run.output[-4000:]
+    err = run.output
     assert f"error: no space left on the device of the data cache {cache_dir} while " in err
     assert f"or set data.cache_dir to another folder (now: {cache_dir})" in err, err
 
@@ -145,44 +149,21 @@ sys.exit(main())
 '''
 
 
-def _worker_enospc(original):
-    """ArrowWriter.write_batch that raises ENOSPC in the pool's worker processes only (this
-    process is the run's main one; the workers it forks inherit the patch)."""
-    import errno
-
-    main_pid = os.getpid()
-
-    def write_batch(self, *args, **kwargs):
-        if os.getpid() != main_pid:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return original(self, *args, **kwargs)
-
-    return write_batch
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_no_space_from_the_worker_pool_is_one_error_on_every_rank(
-    nproc: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nproc: int, tmp_path: Path
 ) -> None:
-    """One rank in-process (the patch applied here), two ranks launched through the wrapper."""
+    """One rank (python -m) and two ranks (the deepspeed launcher), each through the wrapper."""
     data = _pairs(tmp_path / "pairs.jsonl", 4400)  # 2 workers: 2,200 rows each
     cache_dir = tmp_path / "cache"
     args = ["task=dpo", TINY, f"data.path={data}", "data.num_proc=2", "data.max_length=64",
             f"data.cache_dir={cache_dir}", "train.per_device_batch_size=2"]  # fmt: skip
-    if nproc == 1:
-        from datasets import arrow_writer
-
-        with monkeypatch.context() as patch:
-            original = arrow_writer.ArrowWriter.write_batch
-            patch.setattr(arrow_writer.ArrowWriter, "write_batch", _worker_enospc(original))
-            run = run_inline(args, tmp_path / "run")
-    else:
-        (tmp_path / "worker_enospc.py").write_text(WORKER_ENOSPC)
-        run = launch(
-            args, tmp_path / "run", module="worker_enospc",
-            extra_env={"PYTHONPATH": str(tmp_path)}, launcher="deepspeed", nproc=nproc,
-        )  # fmt: skip
+    (tmp_path / "worker_enospc.py").write_text(WORKER_ENOSPC)
+    run = launch(
+        args, tmp_path / "run", module="worker_enospc", extra_env={"PYTHONPATH": str(tmp_path)},
+        launcher="python" if nproc == 1 else "deepspeed", nproc=nproc,
+    )  # fmt: skip
     assert run.returncode == 2, run.output[-4000:]
     assert "Traceback" not in run.output, run.output[-4000:]
     message = f"no space left on the device of the data cache {cache_dir} while preparing"

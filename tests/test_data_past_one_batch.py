@@ -18,12 +18,13 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import TINY_MODEL, run_inline
+from conftest import TINY_MODEL, launch, run_inline
 
 from align_anything.data.convert import LABEL_SHAPE
 from align_anything.data.synthetic import make_dataset
 
-# The runs are in-process (conftest.run_inline): what is tested is what they report.
+# The one-process runs are in-process (conftest.run_inline), those with worker processes are
+# launched: what is tested is what they report.
 pytestmark = pytest.mark.slow
 
 ROWS = 4400  # 2 worker processes take 2,200 rows each (MIN_ROWS_PER_PROCESS is 2,000)
@@ -96,7 +97,10 @@ def test_drops_past_the_first_writer_batch_are_reported_by_line(
     kind: str, num_proc: int, tmp_path: Path
 ) -> None:
     data = _write_rows(tmp_path / f"{kind}.jsonl", kind)
-    run = run_inline(
+    # Worker processes are forked from a process of its own, as a user's run forks them: never
+    # from this test worker, which holds the threads and state of every test before it.
+    runner = run_inline if num_proc == 1 else launch
+    run = runner(
         [
             *COMMON,
             *TASK_ARGS[kind],

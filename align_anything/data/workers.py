@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # How often a watching thread (not Linux) checks that the parent is alive.
@@ -27,6 +28,19 @@ WATCH_SECONDS = 1.0
 
 _armed_by: int | None = None  # the pid whose forked children die with it (None: not armed)
 _hook_installed = False
+# libc's prctl, looked up once in the parent when the hook is installed, so that a child
+# forked from a process with other threads calls it without opening a library (None: not
+# Linux, or not found).
+_prctl: Any = None
+
+
+def _find_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 def _watch(parent: int) -> None:
@@ -45,11 +59,7 @@ def _arm_child() -> None:
     if parent is None:
         return
     _armed_by = os.getpid()  # this child's own children die with it in turn
-    armed = False
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    armed = _prctl is not None and _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
     if not armed:
         _watch(parent)
     if os.getppid() != parent:  # the parent died between the fork and the line above
@@ -59,8 +69,9 @@ def _arm_child() -> None:
 @contextlib.contextmanager
 def children_die_with_this_process() -> Iterator[None]:
     """While active, processes forked by this one are killed when it dies (see the module)."""
-    global _armed_by, _hook_installed
+    global _armed_by, _hook_installed, _prctl
     if not _hook_installed:
+        _prctl = _find_prctl()
         os.register_at_fork(after_in_child=_arm_child)
         _hook_installed = True
     previous, _armed_by = _armed_by, os.getpid()
