@@ -73,10 +73,11 @@ def build_vae() -> Any:
     )  # fmt: skip
 
 
-def build_unet() -> Any:
+def build_unet(time_shift: str = "default") -> Any:
     from diffusers import UNet2DConditionModel
 
     return UNet2DConditionModel(
+        resnet_time_scale_shift=time_shift,
         sample_size=LATENT_FRAMES, in_channels=4, out_channels=4, layers_per_block=1,
         block_out_channels=(32, 64), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=(32, 64),
@@ -105,7 +106,7 @@ def build_vocoder() -> Any:
     ))  # fmt: skip
 
 
-def build_components(seed: int = 0) -> dict[str, Any]:
+def build_components(seed: int = 0, time_shift: str = "default") -> dict[str, Any]:
     """The pipeline's parts with random weights (seeded)."""
     import torch
 
@@ -113,7 +114,7 @@ def build_components(seed: int = 0) -> dict[str, Any]:
     torch.manual_seed(seed)
     return {
         "tokenizer": tokenizer, "text_encoder": build_text_encoder(len(tokenizer)),
-        "vae": build_vae(), "unet": build_unet(), "scheduler": build_scheduler(),
+        "vae": build_vae(), "unet": build_unet(time_shift), "scheduler": build_scheduler(),
         "vocoder": build_vocoder(),
     }  # fmt: skip
 
