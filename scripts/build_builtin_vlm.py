@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="probability of the designed wrong answer, where there is one")  # fmt: skip
     parser.add_argument("--check-rows", type=int, default=64)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--check-only", action="store_true",
+                        help="load the parts in --out, run the check and write build.json")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -97,8 +99,9 @@ def encode(processor, rows: list[tuple[str, str, object]]) -> dict[str, torch.Te
     return dict(batch)
 
 
-def check(model, processor, rows: int) -> dict[str, float]:
-    """Greedy answers to the held-out questions of `shapes-vqa-prompts-eval`."""
+def check(model, processor, rows: int) -> tuple[dict[str, float], list[str]]:
+    """The held-out check on the first `rows` questions of `shapes-vqa-prompts-eval`, and the
+    greedy answers it read."""
     from PIL import Image
 
     from align_anything.data.builtin import shapes_answer_matches
@@ -110,6 +113,7 @@ def check(model, processor, rows: int) -> dict[str, float]:
     tokenizer.padding_side = "left"
     right: dict[str, list[float]] = {}
     confused = 0
+    said: list[str] = []
     for start in range(0, len(records), 16):
         chunk = records[start : start + 16]
         prompts = [tokenizer.apply_chat_template(user_turn(r["prompt"][0]["content"]),
@@ -121,6 +125,7 @@ def check(model, processor, rows: int) -> dict[str, float]:
             out = model.generate(**batch, max_new_tokens=6, do_sample=False)
         answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :],
                                          skip_special_tokens=True)  # fmt: skip
+        said += answers
         for record, answer in zip(chunk, answers, strict=True):
             ok = shapes_answer_matches(record["answer"], answer)
             right.setdefault(record["question"], []).append(float(ok))
@@ -129,7 +134,7 @@ def check(model, processor, rows: int) -> dict[str, float]:
     every = [v for values in right.values() for v in values]
     figures = {"check": sum(every) / len(every), "confused": confused / len(every)}
     figures.update({kind: sum(v) / len(v) for kind, v in sorted(right.items())})
-    return figures
+    return figures, said
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         param.requires_grad_(name.startswith(vlm.TRAINED_PREFIXES))
     trained = [p for p in model.parameters() if p.requires_grad]
     print(f"trainable: {sum(p.numel() for p in trained):,} parameters (tower and projector)")
-    print("before:", json.dumps(check(model, processor, args.check_rows)), flush=True)
+    if args.check_only:
+        vlm.load_trained(model, args.out / vlm.PARTS_FILE)
+        return write_check(model, processor, args, seconds=None)
+    print("before:", json.dumps(check(model, processor, args.check_rows)[0]), flush=True)
     optimizer = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0)
     rng = random.Random(f"build-vlm-{args.seed}")
     total = args.caption_steps + args.question_steps
@@ -164,13 +172,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step}/{total} ({phase}) loss {mean:.4f} "
                   f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
     model.eval()
-    figures = check(model, processor, args.check_rows)
-    print("after:", json.dumps(figures), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
     save_file(vlm.trained_state(model), str(args.out / vlm.PARTS_FILE))
-    print(f"wrote {args.out / vlm.PARTS_FILE} in {time.perf_counter() - began:.0f} s")
+    return write_check(model, processor, args, seconds=time.perf_counter() - began)
+
+
+def write_check(model, processor, args: argparse.Namespace, seconds: float | None) -> int:
+    """Print the held-out check and write it, with the greedy answers, as `build.json` beside
+    the parts (the test suite checks that the assembled folder gives the same answers, on one
+    thread as here)."""
+    torch.set_num_threads(1)  # as the test suite reads it: the same sums, the same answers
+    figures, answers = check(model, processor, args.check_rows)
+    print("after:", json.dumps(figures), flush=True)
+    record = {"check": figures, "answers": answers, "rows": args.check_rows}
+    if seconds is not None:
+        record["seconds"] = round(seconds)
+    (args.out / "build.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out} ({vlm.PARTS_FILE}, build.json)")
     return 0
 
 

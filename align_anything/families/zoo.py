@@ -10,6 +10,10 @@ Built-in names serve the offline default run and the tests:
   would otherwise differ from the model's own init).
 - `tiny-random-llava`, `tiny-random-qwen2-audio`: the same for an image-text and an audio-text
   model, with a processor made locally (`families/language/builtin.py`).
+- `llava-smollm2-shapes`: the project's own image-text model that learns: the real SmolLM2
+  inside LLaVA's layout with a small trained vision tower and projector, which alone ship
+  (~3 MB, `families/language/vlm_shapes.py`); assembled with SmolLM2 into the cache on first
+  use (seconds after SmolLM2's conversion).
 - `tiny-random-sd`, `-sd-v`, `-sdxl`, `-sd3`, `-flux`: tiny diffusers text-to-image pipelines,
   one per kind of pipeline (built in `families/text_to_image/tiny.py`), saved and loaded the
   same way.
@@ -77,6 +81,11 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     "tiny-random-llava": BuiltinModel("language", f"{_LANGUAGE}:build_tiny_llava_model"),
     "tiny-random-qwen2-audio": BuiltinModel(
         "language", f"{_LANGUAGE}:build_tiny_qwen2_audio_model"
+    ),
+    # Image-text that learns: SmolLM2 with a trained tower and projector (shipped, ~3 MB;
+    # raise the version when they are rebuilt, so caches renew).
+    "llava-smollm2-shapes": BuiltinModel(
+        "language", "align_anything.families.language.vlm_shapes:assemble", 1
     ),
     # Text-to-image: tiny diffusers pipelines, one per kind of pipeline.
     "tiny-random-sd": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_sd"),

@@ -1,0 +1,82 @@
+"""The built-in image-text model `llava-smollm2-shapes` (issue #37): what ships is the trained
+tower and projector only, and the folder assembled from them with SmolLM2 on first use loads
+with transformers' Auto classes alone and answers the held-out questions exactly as the build
+measured them (`build.json`, written by scripts/build_builtin_vlm.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from align_anything.families.language import vlm_shapes
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_process_offline")]
+
+ROWS = 16  # one batch of the build's check, so the padding and the numbers are the same
+
+
+def test_the_shipped_parts_are_the_tower_and_projector_only() -> None:
+    from safetensors import safe_open
+
+    path = vlm_shapes.SHIPPED_DIR / vlm_shapes.PARTS_FILE
+    assert path.stat().st_size < 4_000_000
+    with safe_open(str(path), "pt") as parts:
+        names = list(parts.keys())
+    assert names and all(name.startswith(vlm_shapes.TRAINED_PREFIXES) for name in names)
+    assert any(".vision_tower." in n for n in names)
+    assert any(".multi_modal_projector." in n for n in names)
+
+
+def test_the_assembled_model_loads_with_transformers_and_answers_as_built() -> None:
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from align_anything.data.builtin import shapes_answer_matches
+    from align_anything.data.formats import load_records
+    from align_anything.families.zoo import resolve_model_path
+
+    folder = resolve_model_path(vlm_shapes.NAME)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    # the tied embedding is one tensor, and the language model is SmolLM2's own weights
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    from safetensors import safe_open
+
+    smollm2 = resolve_model_path(vlm_shapes.LANGUAGE_MODEL)
+    with safe_open(f"{smollm2}/model.safetensors", "pt") as weights:
+        q_proj = weights.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    assert torch.equal(model.model.language_model.layers[0].self_attn.q_proj.weight, q_proj)
+    built = json.loads((vlm_shapes.SHIPPED_DIR / "build.json").read_text())
+    records, _ = load_records("shapes-vqa-prompts-eval")
+    records = records[:ROWS]
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "left"
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "<image>\n" + r["prompt"][0]["content"]}],
+            add_generation_prompt=True, tokenize=False,
+        )
+        for r in records
+    ]  # fmt: skip
+    images = [Image.open(io.BytesIO(r["images"][0])).convert("RGB") for r in records]
+    batch = processor(text=prompts, images=images, padding=True, return_tensors="pt")
+    assert int((batch["input_ids"] == processor.image_token_id).sum()) == (
+        ROWS * vlm_shapes.IMAGE_TOKENS
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the build's check ran: the same sums
+    try:
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=6, do_sample=False)
+    finally:
+        torch.set_num_threads(threads)
+    answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :],
+                                     skip_special_tokens=True)  # fmt: skip
+    assert answers == built["answers"][:ROWS]
+    # one-word answers, as trained; and the designed confusion leaves room for alignment
+    right = [shapes_answer_matches(r["answer"], a) for r, a in zip(records, answers, strict=True)]
+    assert all(len(a.split()) == 1 for a in answers), answers
+    assert built["check"]["check"] <= 0.5 and sum(right) < ROWS
