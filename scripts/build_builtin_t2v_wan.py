@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fg-weight", type=float, default=4.0,
                         help="reconstruction weight of the shape's pixels (background: 1)")  # fmt: skip
     parser.add_argument("--kl-weight", type=float, default=1e-6)
+    parser.add_argument("--decoder-only", action="store_true",
+                        help="train only the VAE's decoder (`--vae-steps` steps; the encoder, so "
+                             "the latents the denoiser learns, stay as they are)")  # fmt: skip
     parser.add_argument("--vae-check-every", type=int, default=0,
                         help="decode 48 clips' encodings every this many VAE steps (0: never)")  # fmt: skip
     parser.add_argument("--vae-stop-colour", type=float, default=None,
@@ -112,7 +115,11 @@ def draw_clips(count: int, seed: int) -> tuple[torch.Tensor, list[tuple[str, str
 
 
 def train_vae(vae, pixels: torch.Tensor, combos, args: argparse.Namespace) -> None:
-    opt = torch.optim.AdamW(vae.parameters(), lr=args.vae_lr, weight_decay=0.0)
+    if args.decoder_only:
+        vae.encoder.requires_grad_(False)
+        vae.quant_conv.requires_grad_(False)
+    trained = [p for p in vae.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.vae_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed + 1)
     vae.train()
     running = 0.0
@@ -120,7 +127,8 @@ def train_vae(vae, pixels: torch.Tensor, combos, args: argparse.Namespace) -> No
         for group in opt.param_groups:
             group["lr"] = cosine_lr(step, args.vae_steps, args.vae_lr, warmup=50)
         x = pixels[torch.randint(0, len(pixels), (args.vae_batch,), generator=gen)]
-        posterior = vae.encode(x).latent_dist
+        with torch.set_grad_enabled(not args.decoder_only):
+            posterior = vae.encode(x).latent_dist
         z = posterior.mean + posterior.std * torch.randn(posterior.mean.shape, generator=gen)
         recon = vae.decode(z).sample
         weight = 1.0 + (args.fg_weight - 1.0) * (x.amax(dim=1, keepdim=True) > -0.5).float()
@@ -264,10 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.vae_steps or vae_from is None:
         log(f"vae reconstructions: {json.dumps(reconstruction_check(vae, pixels, combos))}")
     latents = encode(vae, pixels)
-    if args.vae_steps or vae_from is None:  # a VAE trained here: measure its latents' spread
+    if vae_from is None or (args.vae_steps and not args.decoder_only):
+        # an encoder trained here: measure its latents' spread
         mean, std = latents.mean(dim=(0, 2, 3, 4)), latents.std(dim=(0, 2, 3, 4))
         vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
-    else:  # a VAE reused as it is: keep the spread the denoiser was (or will be) trained on
+    else:  # an encoder reused as it is: keep the spread the denoiser was (or is) trained on
         mean = torch.tensor(vae.config.latents_mean)
         std = torch.tensor(vae.config.latents_std)
     latents = (latents - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
