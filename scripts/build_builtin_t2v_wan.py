@@ -2,7 +2,8 @@
 
     python scripts/build_builtin_t2v_wan.py --out /tmp/t2v-wan
 
-Not shipped yet (docs/text-to-video.md, "A Wan-layout base": the measured builds). Plain
+Not shipped yet (docs/text-to-video.md, "A Wan-layout base": the measured builds; the main job
+does not pass on any of them yet). Plain
 PyTorch + diffusers, seeded, CPU, fp32, one thread. Wan 2.1's layout
 (`families/text_to_video/wan_shapes_model.py` gives the architecture), on freshly drawn 9-frame
 moving-shape clips (`motion.py`'s drawing code; every colour x shape x direction, the held-out
@@ -21,6 +22,25 @@ ones too: this is pre-training, not the alignment data):
    motion and gets the direction systematically wrong, on purpose: the held-out check
    (`motion.match_rate`) starts well under 0.5 for an alignment run (Diffusion-DPO on
    `t2v-shapes-pref`, whose rejected clips are the chosen ones played backwards) to raise.
+`--parts-from DIR` starts the VAE, transformer and text encoder from another build's folder
+(then `--vae-steps` and `--steps` more; with `--vae-steps 0` its latent normalisation is kept,
+and `--decoder-only` trains the decoder alone, so the latents stay); `--reverse-steps N` adds a
+phase of N steps on reversed direction words (`--reverse-lr`); `--vae-check-every` decodes 48
+clips' encodings now and then and prints their colour and motion rates, and `--vae-stop-colour`
+stops the VAE once both reach it. The chain measured last (docs/text-to-video.md, "Two-phase
+builds"; 2 shared vCPUs, one thread, `nice -n 19`, load 3-9):
+
+    ... --out A --vae-steps 1300 --vae-check-every 100 --steps 0                      # 2,068 s
+    ... --out B --parts-from A --vae-steps 600 --fg-weight 8 --vae-check-every 100 \
+        --vae-stop-colour 1.0 --direction-truth 1 --steps 1500    # VAE colour 1.00 at 200; 645 s
+    ... --out C --parts-from B --vae-steps 0 --direction-truth 1 --steps 3000         # 501 s
+    ... --out D --parts-from C --vae-steps 0 --steps 0 --reverse-steps 100 --reverse-lr 2e-5
+
+A's reconstructions stay at colour 0.33 (green and blue channels equal); B's reach 1.00. C
+follows the direction word (held-out check 0.84, colour 0.84); D's reversed phase weakens the
+motion and colour rather than reversing the word (check 0.31, colour 0.53), and Diffusion-DPO of
+D on 9-frame pairs reaches 0.62 at best (lr 5e-5, beta 1000, 200 steps), capped by colour.
+
 At the end it samples the 32 held-out captions of `t2v-shapes-eval` (UniPC, `--check-steps`
 steps, seeds from the file), prints the check (and the share in the caption's colour, and the
 share matching the caption with its direction reversed), prints the same-seed four-word test
