@@ -116,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reverse-steps", type=int, default=0,
                         help="after `--steps`, this many more on reversed direction words")  # fmt: skip
     parser.add_argument("--reverse-lr", type=float, default=2e-4)
+    parser.add_argument("--reverse-text-only", action="store_true",
+                        help="the reversed phase trains the text encoder alone")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -197,11 +199,12 @@ def encode(vae, pixels: torch.Tensor, batch: int = 64) -> torch.Tensor:
 
 def train_denoiser(parts: dict, latents: torch.Tensor, combos, args: argparse.Namespace,
                    *, steps: int, lr: float, truth: float, seed_offset: int = 2,
-                   label: str = "denoiser") -> None:  # fmt: skip
+                   label: str = "denoiser", text_only: bool = False) -> None:  # fmt: skip
     transformer, text_encoder = parts["transformer"], parts["text_encoder"]
     pipeline = t2v.pipeline_from(parts)
     shift = float(parts["scheduler"].config.flow_shift)
-    params = list(transformer.parameters()) + list(text_encoder.parameters())
+    transformer.requires_grad_(not text_only)
+    params = [p for p in (*transformer.parameters(), *text_encoder.parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed + seed_offset)
     transformer.train()
@@ -317,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     log(f"denoiser trained ({time.time() - started:.0f} s)")
     if args.reverse_steps:
         train_denoiser(parts, latents, combos, args, steps=args.reverse_steps,
-                       lr=args.reverse_lr, truth=0.0, seed_offset=3, label="reversed")  # fmt: skip
+                       lr=args.reverse_lr, truth=0.0, seed_offset=3, label="reversed",
+                       text_only=args.reverse_text_only)  # fmt: skip
         log(f"reversed phase trained ({time.time() - started:.0f} s)")
     for module in ("transformer", "text_encoder"):
         parts[module].requires_grad_(False)
