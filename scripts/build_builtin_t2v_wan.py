@@ -1,9 +1,11 @@
-"""Train the Wan-layout candidate for the built-in text-to-video model and write its folder.
+"""Train the Wan-layout built-in text-to-video model `tiny-t2v-shapes` and write its folder.
 
     python scripts/build_builtin_t2v_wan.py --out /tmp/t2v-wan
 
-Not shipped yet (docs/text-to-video.md, "A Wan-layout base": the measured builds; the main job
-does not pass on any of them yet). Plain
+The shipped folder is the chain below, ending with `--reverse-text-only`
+(docs/text-to-video.md, "The Wan-layout builds": every measured build); copy the last
+`--out` to `align_anything/families/text_to_video/builtin/tiny-t2v-shapes` (and its
+`-samples.png` beside it). Plain
 PyTorch + diffusers, seeded, CPU, fp32, one thread. Wan 2.1's layout
 (`families/text_to_video/wan_shapes_model.py` gives the architecture), on freshly drawn 9-frame
 moving-shape clips (`motion.py`'s drawing code; every colour x shape x direction, the held-out
@@ -34,12 +36,14 @@ builds"; 2 shared vCPUs, one thread, `nice -n 19`, load 3-9):
     ... --out B --parts-from A --vae-steps 600 --fg-weight 8 --vae-check-every 100 \
         --vae-stop-colour 1.0 --direction-truth 1 --steps 1500    # VAE colour 1.00 at 200; 645 s
     ... --out C --parts-from B --vae-steps 0 --direction-truth 1 --steps 3000         # 501 s
-    ... --out D --parts-from C --vae-steps 0 --steps 0 --reverse-steps 100 --reverse-lr 2e-5
+    ... --out D --parts-from C --vae-steps 0 --steps 0 --reverse-steps 200 --reverse-lr 1e-4 \
+        --reverse-text-only                                                           # 41 s
 
 A's reconstructions stay at colour 0.33 (green and blue channels equal); B's reach 1.00. C
-follows the direction word (held-out check 0.84, colour 0.84); D's reversed phase weakens the
-motion and colour rather than reversing the word (check 0.31, colour 0.53), and Diffusion-DPO of
-D on 9-frame pairs reaches 0.62 at best (lr 5e-5, beta 1000, 200 steps), capped by colour.
+follows the direction word (held-out check 0.84, colour 0.84). D (shipped) barely does: check
+0.09, colour 0.72; `make train-t2v` takes it to 0.84. A reversed phase that trains the
+transformer too (without `--reverse-text-only`) weakens the colour more (check 0.31, colour 0.53
+after 100 steps at 2e-5), and Diffusion-DPO of that base reaches 0.62 at best.
 
 At the end it samples the 32 held-out captions of `t2v-shapes-eval` (UniPC, `--check-steps`
 steps, seeds from the file), prints the check (and the share in the caption's colour, and the
