@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--medium", choices=("video", "audio"), default="video")
     parser.add_argument("--model", default=None, help="default: the medium's built-in model")
     parser.add_argument("--data", default=None, help="default: the medium's built-in pairs")
-    parser.add_argument("--num-frames", type=int, default=8, help="video")
+    parser.add_argument("--num-frames", type=int, default=9, help="video")
     parser.add_argument("--fps", type=float, default=8.0, help="video")
     parser.add_argument("--audio-seconds", type=float, default=None, help="audio")
     parser.add_argument("--steps", type=int, default=16, help="paired steps per stage")
@@ -71,6 +71,8 @@ def medium_overrides(args: argparse.Namespace) -> list[str]:
     is the built-in image pairs, and the paired steps never evaluate)."""
     if args.medium == "video":
         clips = [f"data.num_frames={args.num_frames}", f"data.fps={args.fps}"]
+        if args.model == BUILT_IN["video"][0]:  # a Wan folder: no sample size of its own
+            clips.append("data.resolution=32")
     else:
         clips = [f"data.audio_seconds={args.audio_seconds}"] if args.audio_seconds else []
     return [*clips, f"data.eval_path={args.data}"]

@@ -1,7 +1,9 @@
-"""Train the built-in text-to-video model `tiny-t2v-shapes` and write its folder.
+"""Train the earlier, UNet-3D built-in text-to-video model and write its folder.
 
-    python scripts/build_builtin_t2v.py                   # -> align_anything/families/text_to_video/builtin/tiny-t2v-shapes
-    python scripts/build_builtin_t2v.py --out /tmp/t2v    # anywhere else
+    python scripts/build_builtin_t2v.py --out /tmp/t2v
+
+No longer shipped: `tiny-t2v-shapes` is now Wan's layout (`scripts/build_builtin_t2v_wan.py`);
+the figures below are of the UNet-3D folder shipped before it, on 8-frame clips.
 
 Plain PyTorch + diffusers, seeded, CPU, fp32, one thread. The VAE is `tiny-t2i-shapes`' (frames
 are the same kind of picture; the UNet-3D layout encodes frame by frame), so only the text
@@ -67,7 +69,7 @@ T2I_VAE = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=t2v.SHIPPED_DIR)
+    parser.add_argument("--out", type=Path, required=True)  # the shipped folder is Wan's now
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--clips", type=int, default=3072, help="pre-training clips")

@@ -14,6 +14,8 @@ import numpy as np
 
 from align_anything.families.text_to_video import motion
 
+FRAMES = 8  # the clips these tests write (the built-in sets' are motion.FRAMES = 9)
+
 CODECS = {".mp4": ("libx264", "yuv420p"), ".webm": ("libvpx-vp9", "yuv420p")}
 
 
@@ -56,13 +58,13 @@ def write_video(path: Path, frames: np.ndarray, *, fps: float = 8,
 
 
 def clip(seed: int, combo: tuple[str, str, str] = ("red", "circle", "right"),
-         frames: int = motion.FRAMES) -> np.ndarray:  # fmt: skip
+         frames: int = FRAMES) -> np.ndarray:  # fmt: skip
     colour, shape, direction = combo
     layout = motion.random_motion(random.Random(seed), direction)
     return motion.draw_video(shape, colour, direction, frames=frames, **layout)
 
 
-def captioned_folder(root: Path, count: int = 6, *, frames: int = motion.FRAMES) -> Path:
+def captioned_folder(root: Path, count: int = 6, *, frames: int = FRAMES) -> Path:
     """A folder with metadata.jsonl: clips as mp4, webm, gif and a folder of PNG frames."""
     from PIL import Image
 
@@ -84,7 +86,7 @@ def captioned_folder(root: Path, count: int = 6, *, frames: int = motion.FRAMES)
     return root
 
 
-def pair_files(root: Path, count: int = 6, *, frames: int = motion.FRAMES) -> tuple[Path, Path]:
+def pair_files(root: Path, count: int = 6, *, frames: int = FRAMES) -> tuple[Path, Path]:
     """The same pairs in the generic format (pairs.jsonl: prompt, chosen, rejected) and in
     align-anything's (safesora.jsonl: prompt_text, video_0/1 {video_path}, helpfulness),
     where the preferred clip is video_1 half the time; gif files beside them."""

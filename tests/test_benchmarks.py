@@ -533,7 +533,8 @@ def test_the_media_benchmark_sets_each_mediums_clip_and_held_out_pairs() -> None
     video = media_dpo.parse_args([])
     assert (video.model, video.data) == ("tiny-t2v-shapes", "t2v-shapes-pref")
     assert media_dpo.medium_overrides(video) == [
-        "data.num_frames=8", "data.fps=8.0", "data.eval_path=t2v-shapes-pref"]  # fmt: skip
+        "data.num_frames=9", "data.fps=8.0", "data.resolution=32",
+        "data.eval_path=t2v-shapes-pref"]  # fmt: skip
     audio = media_dpo.parse_args(["--medium", "audio"])
     assert (audio.model, audio.data) == ("tiny-t2a-tones", "t2a-tones-pref")
     assert media_dpo.medium_overrides(audio) == ["data.eval_path=t2a-tones-pref"]

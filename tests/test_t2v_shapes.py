@@ -1,6 +1,7 @@
 """The built-in text-to-video world and model: the moving-shapes check by hand-derived cases,
-the sets' sizes and columns, the tokenizer, the shipped `tiny-t2v-shapes` folder (its
-architecture, size, files), and (slow) that the base model moves shapes the wrong way."""
+the sets' sizes and columns, the UNet-3D layout's tokenizer, the shipped `tiny-t2v-shapes`
+folder (Wan's layout: its architecture, size, files), and (slow) that the base model seldom
+moves shapes the caption's way."""
 
 from __future__ import annotations
 
@@ -58,48 +59,49 @@ def test_tokenizer_gives_each_caption_word_one_token() -> None:
 
 def test_shipped_folder_is_the_described_pipeline() -> None:
     from align_anything.families import diffusion
+    from align_anything.families.text_to_video import wan_shapes_model as wan
     from align_anything.families.zoo import resolve_model_path
 
-    folder = t2v.SHIPPED_DIR
-    assert resolve_model_path(t2v.NAME) == str(folder)
-    info = diffusion.inspect_pipeline(t2v.NAME)
-    assert info.kind == "unet3d" and info.prediction == "epsilon" and info.default_resolution == 32
+    folder = wan.SHIPPED_DIR
+    assert resolve_model_path(wan.NAME) == str(folder)
+    info = diffusion.inspect_pipeline(wan.NAME)
+    assert info.kind == "wan"
     index = json.loads((folder / "model_index.json").read_text())
-    assert index["_class_name"] == "TextToVideoSDPipeline"
+    assert index["_class_name"] == "WanPipeline"
     weights = [p for p in folder.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".bin")]
-    assert sorted(p.parent.name for p in weights) == ["text_encoder", "unet", "vae"]
+    assert sorted(p.parent.name for p in weights) == ["text_encoder", "transformer", "vae"]
     assert all(p.suffix == ".safetensors" for p in weights)
     assert sum(p.stat().st_size for p in weights) < 8 * 2**20
-    unet = json.loads((folder / "unet" / "config.json").read_text())
-    for key, value in t2v.unet_kwargs().items():
-        assert unet[key] == (list(value) if isinstance(value, tuple) else value), key
-    vocab, merges = t2v.word_tokenizer_files(t2v.VOCAB_WORDS)
-    assert json.loads((folder / "tokenizer" / "vocab.json").read_text()) == vocab
+    transformer = json.loads((folder / "transformer" / "config.json").read_text())
+    for key, value in wan.transformer_kwargs().items():
+        assert transformer[key] == (list(value) if isinstance(value, tuple) else value), key
 
 
 @pytest.mark.slow
-def test_shipped_model_moves_shapes_the_wrong_way() -> None:
-    """The base of the text-to-video main job: on the 32 held-out captions (their seeds, DDIM
-    20 steps, fp32 CPU) most clips show a shape in the caption's colour, and at most half move
-    the caption's way: the alignment run has something to fix."""
+def test_shipped_model_barely_follows_the_direction_word() -> None:
+    """The base of the text-to-video main job: on the 32 held-out captions (their seeds, UniPC
+    20 steps, fp32 CPU) at most half the clips pass the check: the alignment run has
+    something to fix."""
     import torch
     from diffusers import DiffusionPipeline
 
+    from align_anything.families.text_to_video import wan_shapes_model as wan
+
     torch.manual_seed(0)
-    pipeline = DiffusionPipeline.from_pretrained(t2v.SHIPPED_DIR)
+    pipeline = DiffusionPipeline.from_pretrained(wan.SHIPPED_DIR)
     pipeline.set_progress_bar_config(disable=True)
     rows = motion.read_parquet(builtin_path("t2v-shapes-eval"))
     captions = [r["text"] for r in rows]
-    videos = t2v.sample_videos(pipeline, captions, [r["seed"] for r in rows], steps=20)
-    assert all(v.shape == (8, 32, 32, 3) for v in videos)
+    videos = wan.sample_videos(pipeline, captions, [r["seed"] for r in rows], steps=20)
+    assert all(v.shape == (wan.FRAMES, 32, 32, 3) for v in videos)
     colours = [motion.dominant_colour(v) == motion.caption_words(c)[0]
                for v, c in zip(videos, captions, strict=True)]  # fmt: skip
-    assert sum(colours) >= 24
+    assert sum(colours) >= 16
     assert motion.match_rate(videos, captions) <= 0.5
 
 
 def test_wan_candidate_builds_and_samples_nine_frames() -> None:
-    """The Wan-layout candidate (`wan_shapes_model`, not shipped yet): one piece per caption
+    """The Wan layout (`wan_shapes_model`, the shipped `tiny-t2v-shapes`): one piece per caption
     word, and its random-weight pipeline samples a 9-frame 32x32 clip through the 4x-in-time
     VAE (3 latent frames)."""
     from align_anything.families.text_to_video import wan_shapes_model as wan

@@ -23,7 +23,7 @@ Built-in names serve the offline default run and the tests:
   (`families/text_to_image/shapes_flow_model.py`).
 - `tiny-random-t2v-unet3d`, `-t2v-unet3d-v`, `tiny-random-wan`: tiny diffusers text-to-video
   pipelines (`families/text_to_video/tiny.py`), and `tiny-t2v-shapes`, the project's own
-  trained text-to-video pipeline (`families/text_to_video/shapes_model.py`), shipped.
+  trained text-to-video pipeline (`families/text_to_video/wan_shapes_model.py`), shipped.
 - `tiny-random-audioldm`: a tiny diffusers text-to-audio pipeline in AudioLDM's layout
   (`families/text_to_audio/tiny.py`), and `tiny-t2a-tones`, the project's own trained
   text-to-audio pipeline (`families/text_to_audio/tones_model.py`), shipped.

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw
 
-FRAMES = 8
+FRAMES = 9
 FRAME_SIZE = 32
 FPS = 8  # the frame rate the GIFs are written at (data.fps of the built-in runs)
 COLOUR_HUES: dict[str, int] = {"red": 0, "yellow": 60, "green": 120, "cyan": 180, "blue": 240,

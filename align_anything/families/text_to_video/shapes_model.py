@@ -1,4 +1,5 @@
-"""The project's own tiny text-to-video model, `tiny-t2v-shapes`: its architecture and files.
+"""The earlier UNet-3D layout of the project's tiny text-to-video model (no longer shipped:
+`tiny-t2v-shapes` is now `wan_shapes_model.py`'s): its architecture and files.
 
 ModelScope's text-to-video layout (`TextToVideoSDPipeline`, the one align-anything trains),
 small enough to train and sample on a CPU:
@@ -13,7 +14,7 @@ small enough to train and sample on a CPU:
   convolutions and temporal attention at every level;
 - scheduler: DDIM, epsilon prediction, SD's scaled-linear betas, trailing timesteps.
 
-The shipped weights (`SHIPPED_DIR`, safetensors) are trained by `scripts/build_builtin_t2v.py`
+The weights once shipped were trained by `scripts/build_builtin_t2v.py`
 (its docstring: the command, its time and its check). They are deliberately good at shapes,
 colours and motion and poor at direction (pre-trained on captions whose direction word is
 usually the opposite of the clip's), so that an alignment run has something to fix.

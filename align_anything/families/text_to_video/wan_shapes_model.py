@@ -1,10 +1,10 @@
-"""A Wan-layout candidate for the built-in text-to-video model (not shipped yet): its
+"""The project's own tiny text-to-video model, `tiny-t2v-shapes` (shipped, `SHIPPED_DIR`): its
 architecture and files.
 
-The shipped `tiny-t2v-shapes` (`shapes_model.py`, a UNet-3D) ignores the direction word
+The earlier UNet-3D layout (`shapes_model.py`) ignored the direction word
 (docs/text-to-video.md). This is Wan 2.1's layout (`WanPipeline`) in the same moving-shapes
 world, small enough to train and sample on a CPU, built by `scripts/build_builtin_t2v_wan.py`
-(no default output folder: nothing is shipped until a build passes the main job):
+(the chain of builds that made the shipped folder: its docstring):
 - tokenizer: a T5 unigram tokenizer in which each caption word of the built-in moving-shapes
   data (`motion.py`) is one piece (any other word is spelt in letters); 8 tokens per prompt
   (`MAX_TOKENS`: the pipeline is called with `max_sequence_length=8`);
@@ -20,8 +20,7 @@ world, small enough to train and sample on a CPU, built by `scripts/build_builti
 - scheduler: `UniPCMultistepScheduler` in flow-prediction mode, as the released Wan folders
   have it, `flow_shift` `FLOW_SHIFT`.
 
-Clips are `FRAMES` = 9 frames (Wan's VAE takes 4k+1; the built-in sets have 8, so an
-alignment run on this model needs 9-frame sets first).
+Clips are `FRAMES` = 9 frames (Wan's VAE takes 4k+1), as the built-in sets' (`motion.FRAMES`).
 """
 
 from __future__ import annotations
@@ -31,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from align_anything.families.text_to_video.motion import COLOURS, DIRECTIONS, SHAPES
+
+NAME = "tiny-t2v-shapes"
+SHIPPED_DIR = Path(__file__).parent / "builtin" / NAME
 
 FRAMES = 9  # 4k+1: Wan's causal VAE keeps the first frame and compresses the rest 4x
 
