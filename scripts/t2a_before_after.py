@@ -1,6 +1,6 @@
-"""The before/after picture of a text-to-audio run: its first and its last sample grid (the
-spectrograms of the sample prompts and seeds, `samples/step-N.png`) one above the other, each
-titled, as one PNG.
+"""The before/after picture of a text-to-audio or text-to-video run: its first and its last
+sample grid (the spectrograms of the sample prompts and seeds, or the clips' contact sheet:
+`samples/step-N.png`) one above the other, each titled, as one PNG.
 
     python scripts/t2a_before_after.py outputs/t2a-<stamp> align_anything/families/text_to_audio/builtin/tiny-t2a-tones-before-after.png
 """

@@ -91,8 +91,11 @@ CONVERT_REASON = {
 }
 
 
-@pytest.mark.parametrize("num_proc", [1, 2])
-@pytest.mark.parametrize("kind", ["pref", "sft", "kto", "prompts"])
+# Two worker processes for every kind (each half has its drops past its own first batch); one
+# process for one kind (the same writer, one shard).
+@pytest.mark.parametrize(
+    ("kind", "num_proc"), [("pref", 1), ("pref", 2), ("sft", 2), ("kto", 2), ("prompts", 2)]
+)
 def test_drops_past_the_first_writer_batch_are_reported_by_line(
     kind: str, num_proc: int, tmp_path: Path
 ) -> None:
