@@ -295,8 +295,11 @@ class RunRecord:
 
 def child_env(threads: int | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in DIST_ENV_VARS}
-    # Offline (both sides load the same local folder), and this checkout's package first.
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=str(REPO_ROOT))
+    # Offline (both sides load the same local folder), and this checkout's package first (the
+    # caller's PYTHONPATH after it: e.g. a folder TRL was installed to with `pip --target`).
+    paths = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                if p and Path(p).resolve() != REPO_ROOT]  # fmt: skip
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONPATH=os.pathsep.join(paths))
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env

@@ -133,12 +133,15 @@ VLLM_PYTHON = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "pyth
 
 
 def run_ours(
-    args: argparse.Namespace, data: Path, workdir: Path, env: dict, *, vllm: bool = False
-) -> RunRecord:
+    args: argparse.Namespace, data: Path, workdir: Path, env: dict, *, vllm: bool = False,
+    overrides: list[str] | None = None,
+) -> RunRecord:  # fmt: skip
+    """align_anything's run (`overrides`: instead of `ours_overrides(args, data)`)."""
     out = Path(tempfile.mkdtemp(prefix="ours-", dir=workdir))
     python = str(VLLM_PYTHON) if vllm else sys.executable
     backend = ["rollout.backend=vllm", "rollout.vllm.kv_cache_gib=0.5"] if vllm else []
-    command = [python, "-m", "align_anything.train", *ours_overrides(args, data), *backend,
+    overrides = ours_overrides(args, data) if overrides is None else overrides
+    command = [python, "-m", "align_anything.train", *overrides, *backend,
                f"output_dir={out}"]  # fmt: skip
     rss = run_child(command, env=env, log=out / "run.log")
     steps = [m for m in read_jsonl(out / "metrics.jsonl") if "phase" not in m]
@@ -157,11 +160,14 @@ def run_ours(
 
 
 def run_trl(
-    args: argparse.Namespace, rows_path: Path, workdir: Path, env: dict, *, vllm: bool = False
-) -> RunRecord:
+    args: argparse.Namespace, rows_path: Path, workdir: Path, env: dict, *, vllm: bool = False,
+    spec: dict[str, Any] | None = None,
+) -> RunRecord:  # fmt: skip
+    """TRL's run in trl_child.py (`spec`: instead of `trl_spec(args, rows_path)`)."""
     out = Path(tempfile.mkdtemp(prefix="trl-", dir=workdir))
     spec_path = out / "spec.json"
-    spec = {**trl_spec(args, rows_path), "output_dir": str(out), "use_vllm": vllm}
+    spec = trl_spec(args, rows_path) if spec is None else spec
+    spec = {**spec, "output_dir": str(out), "use_vllm": vllm}
     spec_path.write_text(json.dumps(spec))
     python = str(VLLM_PYTHON) if vllm else sys.executable
     rss = run_child([python, str(TRL_CHILD), str(spec_path)], env=env, log=out / "run.log")

@@ -31,7 +31,13 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    TrainerCallback,
+)
 
 
 class StepTimer(TrainerCallback):
@@ -85,15 +91,24 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     rows = [json.loads(line) for line in Path(spec["rows_path"]).read_text().splitlines() if line]
     torch.manual_seed(spec["seed"])
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
+    # An image-text model (grpo_vlm_vs_trl.py, spec `images`): its processor is the
+    # processing class, the model loads as an image-text model.
+    images = bool(spec.get("images"))
+    tokenizer = image_processor(spec["model_path"]) if images else (
+        AutoTokenizer.from_pretrained(spec["model_path"]))  # fmt: skip
     # A reward model is loaded by TRL's RewardTrainer itself (a causal LM here would only add
     # to its peak RSS).
     model = None
     if spec["task"] != "rm":
-        model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+        loader = AutoModelForImageTextToText if images else AutoModelForCausalLM
+        model = loader.from_pretrained(spec["model_path"], dtype=torch.float32)
     timer = StepTimer()
     reference_seconds: list[float] = []
     dataset = Dataset.from_list(rows)
+    if images:  # picture paths: `datasets` opens them as PIL images when a row is read
+        from datasets import Image
+
+        dataset = dataset.cast_column("image", Image())
     if spec["task"] == "dpo":
         from trl import DPOConfig, DPOTrainer
 
@@ -160,7 +175,7 @@ def main(spec_path: str) -> None:
     elif spec["task"] in ("grpo", "grpo_score"):
         trainer, lengths = grpo_trainer(spec, model, tokenizer, dataset, timer)
         if spec["task"] == "grpo_score":
-            result = grpo_score(trainer, spec)
+            result = (grpo_score_images if images else grpo_score)(trainer, spec)
             (Path(spec["output_dir"]) / "result.json").write_text(json.dumps(result))
             return
     else:
@@ -215,7 +230,50 @@ def length_penalty_reward(prompts: list, completions: list, **kwargs: Any) -> li
     return length_penalty(prompts, completion_texts(completions))
 
 
-REWARD_FUNCTIONS = {"arith_exact": arith_exact_reward, "length_penalty": length_penalty_reward}
+def shapes_answer_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list:
+    """align_anything's `shapes_answer` on TRL's completions (the picture questions' reward)."""
+    from align_anything.rewards import shapes_answer
+
+    return shapes_answer(prompts, completion_texts(completions), answer)
+
+
+REWARD_FUNCTIONS = {"arith_exact": arith_exact_reward, "length_penalty": length_penalty_reward,
+                    "shapes_answer": shapes_answer_reward}  # fmt: skip
+
+# What an image block of a message renders as (LLaVA's convention: the picture's marker on
+# its own line before the text; the processor expands the marker to the picture's tokens).
+IMAGE_BLOCK = "<image>\n"
+
+
+def content_block_template(template: str) -> str:
+    """The model's own chat template, extended to TRL's multimodal messages: TRL gives a VLM's
+    processor every message's content as a list of blocks (`{"type": "image"}`, `{"type":
+    "text", "text": ...}`), which a text model's template (SmolLM2's, in
+    llava-smollm2-shapes) cannot join to a string. Each `message['content']` becomes a macro
+    call that renders a string as it is and a block list as image markers and text."""
+    macro = (
+        "{% macro aa_content(content) %}{% if content is string %}{{ content }}{% else %}"
+        "{% for part in content %}{% if part['type'] == 'image' %}{{ '" + IMAGE_BLOCK.replace(
+            "\n", "\\n") + "' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "{% endmacro %}"
+    )  # fmt: skip
+    if "message['content']" not in template:
+        raise SystemExit("the model's chat template does not read message['content']")
+    return macro + template.replace("message['content']", "aa_content(message['content'])")
+
+
+def image_processor(path: str) -> Any:
+    """The model's processor, its chat template extended to content blocks (checked: a
+    conversation of plain strings renders exactly as with the model's own template)."""
+    processor = AutoProcessor.from_pretrained(path)
+    own = processor.chat_template
+    processor.chat_template = content_block_template(own)
+    probe = [{"role": "user", "content": "<image>\nWhat colour?"}]
+    rendered = [processor.apply_chat_template(probe, chat_template=t, tokenize=False,
+                                              add_generation_prompt=True) for t in (own, None)]  # fmt: skip
+    if rendered[0] != rendered[1]:
+        raise SystemExit(f"the extended chat template renders strings differently: {rendered}")
+    return processor
 
 
 def vllm_args(spec: dict[str, Any]) -> dict[str, Any]:
@@ -292,6 +350,55 @@ def grpo_score(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
     loss = trainer.compute_loss(model, inputs)
     return {
         "logps": [row[: len(c)] for row, c in zip(logps.tolist(), completions, strict=True)],
+        "loss": float(loss),
+    }
+
+
+def grad_norms(model: Any) -> dict[str, float]:
+    """Each parameter's gradient norm (parameters without a gradient left out)."""
+    return {name: float(p.grad.norm()) for name, p in model.named_parameters()
+            if p.grad is not None}  # fmt: skip
+
+
+def grpo_score_images(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The fixed completions of picture questions through TRL's own image path: its
+    `_generate_and_score_completions` on the dataset's rows (each repeated G times, as its
+    sampler gives them), with only the sampling replaced by the fixed completion ids; then its
+    `compute_loss` on the result, the per-token log-probs captured from the
+    `_get_per_token_logps_and_entropies` call inside it. Returns TRL's prompt ids, rewards,
+    advantages, per-token log-probs and loss."""
+    fixed = json.loads(Path(spec["completions_path"]).read_text())
+    group = spec["num_generations"]
+    completions = iter(fixed["completion_ids"])
+    seen: dict[str, Any] = {}
+
+    def fixed_generate(prompt_ids, images, multimodal_fields, num_generations, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        seen["prompt_ids"] = [list(p) for p in prompt_ids]
+        return [next(completions) for _ in prompt_ids], None
+
+    score = trainer._get_per_token_logps_and_entropies
+
+    def captured(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        out = score(*args, **kwargs)
+        seen["logps"] = out[0]
+        return out
+
+    trainer._generate_single_turn = fixed_generate
+    trainer._get_per_token_logps_and_entropies = captured
+    model = trainer.model
+    model.train()
+    rows = [trainer.train_dataset[i] for i in range(len(fixed["completion_ids"]) // group)]
+    inputs = trainer._generate_and_score_completions([row for row in rows for _ in range(group)])
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train's loop otherwise
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    lengths = inputs["completion_mask"].sum(1).tolist()
+    return {
+        "grad_norms": grad_norms(model),
+        "prompt_ids": seen["prompt_ids"],
+        "logps": [row[:n] for row, n in zip(seen["logps"].tolist(), lengths, strict=True)],
+        "advantages": inputs["advantages"].tolist(),
+        "pixel_values_shape": list(inputs["pixel_values"].shape),
         "loss": float(loss),
     }
 
