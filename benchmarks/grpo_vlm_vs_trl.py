@@ -13,7 +13,9 @@ read) in the same order (align_anything's seeded order, given to TRL with
 no top_k), reward (align_anything's `shapes_answer`, the main job's, on both sides), torch AdamW
 settings, constant learning rate, loss type (dapo), β = 0, ε = 0.2 and number of optimizer
 steps, one process each (peak RSS from `wait4`). align_anything runs through its real entry
-point with ZeRO-0 (`make train-vlm`'s task and model). The completions differ (each side
+point with ZeRO-0 (`make train-vlm`'s task and model); `--plain` adds a run of it with its
+switchable optimisations off (the shared prompt among them: a picture question's prompt,
+picture included, runs once for its G completions by default). The completions differ (each side
 samples with its own generator), so only the throughput and the peak RSS are compared here.
 
 TRL gives a VLM's processor each message as a list of content blocks, which the model's chat
@@ -44,7 +46,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import SEED, TRL_CHILD, child_env, interleave, run_child, training_order, write_jsonl
+from common import (
+    OURS_VARIANTS,
+    SEED,
+    TRL_CHILD,
+    child_env,
+    interleave,
+    run_child,
+    training_order,
+    write_jsonl,
+)
 from grpo_vs_trl import run_ours, run_trl, settings, table
 
 MODEL = "llava-smollm2-shapes"
@@ -85,7 +96,7 @@ def trl_row(row: dict[str, Any]) -> dict[str, Any]:
 def ours_overrides(args: argparse.Namespace, data: Path) -> list[str]:
     s = settings(args)
     return [
-        "task=grpo", "deepspeed=z0", f"model.name_or_path={MODEL}", f"data.path={data}",
+        "task=grpo", "deepspeed=z0", f"model.name_or_path={args.model}", f"data.path={data}",
         "data.eval_path=null", "data.eval_fraction=0", f"data.max_length={MAX_LENGTH}",
         f"train.max_steps={args.steps}",
         f"train.per_device_batch_size={args.prompts * args.num_generations}",
@@ -106,7 +117,7 @@ def trl_spec(args: argparse.Namespace, rows_path: Path) -> dict[str, Any]:
     from align_anything.families.zoo import resolve_model_path
 
     return {
-        "task": "grpo", "images": True, "model_path": str(resolve_model_path(MODEL)),
+        "task": "grpo", "images": True, "model_path": str(resolve_model_path(args.model)),
         "rows_path": str(rows_path), "batch": args.prompts * args.num_generations,
         "steps": args.steps, "max_length": MAX_LENGTH, "reward": REWARD,
         "learning_rate": args.learning_rate, "seed": SEED, "adam_betas": [0.9, 0.999],
@@ -132,20 +143,20 @@ def fixed_texts(rows: list[dict[str, Any]]) -> list[str]:
     return texts
 
 
-def fixed_completions(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def fixed_completions(rows: list[dict[str, Any]], model: str = MODEL) -> dict[str, Any]:
     """The fixed completions' token ids (each ends with EOS), in the model's tokenizer."""
     from align_anything.families.language.loading import load_processor
     from align_anything.families.zoo import resolve_model_path
 
-    tokenizer = load_processor(str(resolve_model_path(MODEL))).tokenizer
+    tokenizer = load_processor(str(resolve_model_path(model))).tokenizer
     texts = fixed_texts(rows)
     ids = [[*tokenizer(t, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
            for t in texts]  # fmt: skip
     return {"texts": texts, "completion_ids": ids}
 
 
-def ours_score(rows: list[dict[str, Any]], fixed: dict[str, Any], *,
-               max_completion_length: int) -> dict[str, Any]:  # fmt: skip
+def ours_score(rows: list[dict[str, Any]], fixed: dict[str, Any], *, max_completion_length: int,
+               model: str = MODEL) -> dict[str, Any]:  # fmt: skip
     """align_anything's prompt ids, advantages, per-token log-probs and loss of the fixed
     completions: the rows encoded with their pictures as a run encodes them (media support
     from the model side, `prepare_record`, `encode_prompt`), one micro-batch collated by
@@ -168,9 +179,9 @@ def ours_score(rows: list[dict[str, Any]], fixed: dict[str, Any], *,
 
     group = len(FIXED_ANSWERS)
     folder = Path(rows[0]["images"][0]).parent
-    cfg = load_config([*ours_overrides(agreement_args(max_completion_length, len(rows)),
-                                       folder / "rows.jsonl")])  # fmt: skip
-    path = str(resolve_model_path(MODEL))
+    cfg = load_config(ours_overrides(agreement_args(max_completion_length, len(rows), model),
+                                     folder / "rows.jsonl"))  # fmt: skip
+    path = str(resolve_model_path(model))
     config, tokenizer, processor = model_loading.load_text_side(path, trust_remote_code=False)
     context = getattr(config.get_text_config(), "max_position_embeddings", None)
     media = MediaSupport(processor, model_loading.modalities_of(config),
@@ -207,16 +218,16 @@ def ours_score(rows: list[dict[str, Any]], fixed: dict[str, Any], *,
     return {
         "prompt_ids": [e["prompt_ids"] for e in encoded],
         "logps": [row[:n] for row, n in zip(logps.tolist(), lengths, strict=True)],
-        "advantages": advantages, "rewards": rewards.tolist(), "loss": float(losses["policy"]),
+        "advantages": advantages, "rewards": rewards.tolist(), "loss": float(losses["policy"].detach()),
         "grad_norms": grad_norms(net),
         "shared_prompt": share, "pixel_values_shape": list(batch.layout.media["pixel_values"].shape),
     }  # fmt: skip
 
 
-def agreement_args(max_completion_length: int, prompts: int) -> argparse.Namespace:
+def agreement_args(max_completion_length: int, prompts: int, model: str) -> argparse.Namespace:
     """The settings of the agreement check: one step of `prompts` × FIXED_ANSWERS."""
     return argparse.Namespace(
-        steps=1, prompts=prompts, num_generations=len(FIXED_ANSWERS),
+        model=model, steps=1, prompts=prompts, num_generations=len(FIXED_ANSWERS),
         max_completion_length=max_completion_length, learning_rate=1e-5,
     )  # fmt: skip
 
@@ -249,13 +260,13 @@ def agreement(args: argparse.Namespace, workdir: Path, env: dict) -> tuple[str, 
     """(The agreement lines, whether every difference is within `args.tolerance`)."""
     folder = workdir / "agreement"
     rows = picture_rows(args.agreement_prompts, folder)
-    fixed = fixed_completions(rows)
+    fixed = fixed_completions(rows, args.model)
     fixed_path = folder / "fixed.json"
     fixed_path.write_text(json.dumps(fixed))
     rows_path = folder / "trl.jsonl"
     write_jsonl(rows_path, [trl_row(r) for r in rows])
     out = Path(tempfile.mkdtemp(prefix="trl-score-", dir=workdir))
-    settings_args = agreement_args(args.max_completion_length, len(rows))
+    settings_args = agreement_args(args.max_completion_length, len(rows), args.model)
     spec = {**trl_spec(settings_args, rows_path), "task": "grpo_score",
             "completions_path": str(fixed_path), "output_dir": str(out)}  # fmt: skip
     (out / "spec.json").write_text(json.dumps(spec))
@@ -268,7 +279,7 @@ def agreement(args: argparse.Namespace, workdir: Path, env: dict) -> tuple[str, 
     code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import grpo_vlm_vs_trl as g; "
             f"rows = json.load(open({str(rows_file)!r})); f = json.load(open({str(fixed_path)!r})); "
             f"json.dump(g.ours_score(rows, f, max_completion_length="
-            f"{args.max_completion_length}), open({str(ours_out)!r}, 'w'))")  # fmt: skip
+            f"{args.max_completion_length}, model={args.model!r}), open({str(ours_out)!r}, 'w'))")  # fmt: skip
     run_child([sys.executable, "-c", code], env=env, log=folder / "ours-score.log")
     ours = json.loads(ours_out.read_text())
     same_prompts = ours["prompt_ids"] == theirs["prompt_ids"][:: len(FIXED_ANSWERS)]
@@ -299,6 +310,7 @@ def agreement(args: argparse.Namespace, workdir: Path, env: dict) -> tuple[str, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=MODEL, help="an image-text model (LLaVA layout)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
     parser.add_argument("--prompts", type=int, default=2, help="picture questions per step")
     parser.add_argument("--num-generations", type=int, default=8, help="G")
@@ -309,6 +321,9 @@ def main() -> None:
     parser.add_argument("--agreement-prompts", type=int, default=3)
     parser.add_argument("--tolerance", type=float, default=1e-4)
     parser.add_argument("--agreement-only", action="store_true")
+    parser.add_argument("--plain", action="store_true",
+                        help="also align_anything with its switchable optimisations off "
+                        "(common.OURS_VARIANTS: the shared prompt among them)")  # fmt: skip
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="aa-bench-grpo-vlm-"))
     env = child_env(args.threads)
@@ -326,10 +341,15 @@ def main() -> None:
             ),
             "TRL": lambda: run_trl(args, trl_file, workdir, env, spec=trl_spec(args, trl_file)),
         }
+        if args.plain:
+            plain = [*ours_overrides(args, ours_file), *OURS_VARIANTS["align_anything plain"]]
+            variants["align_anything plain"] = lambda: run_ours(
+                args, ours_file, workdir, env, overrides=plain
+            )
         print(f"load average at the start: {os.getloadavg()}", flush=True)
         records = interleave(variants, args.repeats)
         print(f"\nload average at the end: {os.getloadavg()}; {time.perf_counter() - start:.0f} s")
-        print(f"{MODEL}, {DATA}, {args.steps} steps × {args.prompts} picture questions × "
+        print(f"{args.model}, {DATA}, {args.steps} steps × {args.prompts} picture questions × "
               f"G={args.num_generations}, max_completion_length {args.max_completion_length}, "
               f"dapo, beta 0, reward {REWARD}, OMP_NUM_THREADS={args.threads or 'unset'}")  # fmt: skip
         print(table(records, args.steps))

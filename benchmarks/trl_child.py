@@ -13,8 +13,12 @@ undesirable_weight and precompute_ref_log_probs; for RM, model_path is a reward 
 for GRPO num_generations, max_completion_length,
 temperature, top_p, loss_type, beta, epsilon, reward (rows: a `prompt` and, for the default
 `arith_exact`, the `answer` field; `length_penalty` for prompts without one: align_anything's
-reward functions); grpo_score scores the fixed completions of
-`completions_path` once through TRL's own log-prob and loss code (see grpo_vs_trl.py).
+reward functions; `shapes_answer` for picture questions); grpo_score scores the fixed
+completions of `completions_path` once through TRL's own log-prob and loss code (see
+grpo_vs_trl.py). With `images` (grpo_vlm_vs_trl.py) the model is an image-text model: it loads
+with `AutoModelForImageTextToText`, its processor (chat template extended to content blocks:
+`content_block_template`) is the processing class, rows carry an `image` path, and grpo_score
+runs TRL's own image path (`grpo_score_images`).
 Writes output_dir/result.json: per-step wall
 times (a callback around each optimizer step), the logged figures of every step, and the token
 length of every tokenised row (packed: every packed sequence's row lengths, in TRL's packing
@@ -399,7 +403,7 @@ def grpo_score_images(trainer: Any, spec: dict[str, Any]) -> dict[str, Any]:
         "logps": [row[:n] for row, n in zip(seen["logps"].tolist(), lengths, strict=True)],
         "advantages": inputs["advantages"].tolist(),
         "pixel_values_shape": list(inputs["pixel_values"].shape),
-        "loss": float(loss),
+        "loss": float(loss.detach()),
     }
 
 

@@ -19,6 +19,7 @@ import diffusion_dpo_plain  # noqa: E402
 import dpo_vs_trl  # noqa: E402
 import generate_paired  # noqa: E402, F401
 import gpu_bench  # noqa: E402
+import grpo_vlm_vs_trl  # noqa: E402  (imports without TRL: TRL is imported in its child)
 import grpo_vs_trl  # noqa: E402
 import image_rl  # noqa: E402
 import image_rl_plain  # noqa: E402
@@ -208,6 +209,88 @@ def test_grpo_fixed_completions_scored_as_by_hand() -> None:
         assert ours["logps"][b] == pytest.approx(want, abs=1e-5)
         tokens += len(completion)
         weighted += fixed["advantages"][b] * len(completion)
+    assert ours["loss"] == pytest.approx(-weighted / tokens, abs=1e-6)
+
+
+def test_the_vlm_grpo_benchmarks_sides_share_the_settings(tmp_path: Path) -> None:
+    """`grpo_vlm_vs_trl.py`: align_anything's side validates as a run of the built-in
+    image-text model on picture rows, and TRL's side gets the same reward, batch and limits."""
+    from argparse import Namespace
+
+    from align_anything.config import load_config
+
+    args = Namespace(model="llava-smollm2-shapes", steps=2, prompts=2, num_generations=4,
+                     max_completion_length=8, learning_rate=3e-5)  # fmt: skip
+    cfg = load_config(grpo_vlm_vs_trl.ours_overrides(args, tmp_path / "rows.jsonl"))
+    assert cfg.reward.functions == ["align_anything.rewards:shapes_answer"]
+    assert (cfg.model.name_or_path, cfg.train.per_device_batch_size) == (args.model, 8)
+    assert (cfg.grpo.num_generations, cfg.grpo.max_completion_length) == (4, 8)
+    spec = grpo_vlm_vs_trl.trl_spec(args, tmp_path / "rows.jsonl")
+    assert (spec["images"], spec["reward"], spec["batch"]) == (True, "shapes_answer", 8)
+    assert (spec["num_generations"], spec["max_completion_length"]) == (4, 8)
+    assert spec["max_length"] == cfg.data.max_length
+    assert "shapes_answer" in trl_child.REWARD_FUNCTIONS
+
+
+def test_trl_gets_the_models_chat_template_extended_to_content_blocks() -> None:
+    """TRL's multimodal messages (content blocks) render as align_anything's picture rows: the
+    image marker on its own line before the question; plain strings as the model's own
+    template renders them."""
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    own = tokenizer.chat_template
+    extended = trl_child.content_block_template(own)
+    question = "Which shape is in the picture? Answer with one word."
+    as_string = [{"role": "user", "content": "<image>\n" + question}]
+    blocks = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+    def render(messages: list, template: str) -> str:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+
+    assert render(as_string, extended) == render(as_string, own)
+    assert render(blocks, extended) == render(as_string, own)
+
+
+def test_vlm_grpo_fixed_completions_scored_as_by_hand(tmp_path: Path) -> None:
+    """The align_anything side of grpo_vlm_vs_trl's agreement check (TRL's side needs trl), on
+    the tiny LLaVA, against a hand-written reference: each completion's own row (prompt with
+    its picture's placeholders, completion) through the model with the picture's pixels,
+    log_softmax at each completion position; on-policy, the dapo loss -Σ advantage over
+    completion tokens / their count. Only the right one-word answer is rewarded."""
+    import torch
+    from PIL import Image
+
+    from align_anything.families.language.loading import load_model, load_processor
+    from align_anything.families.zoo import resolve_model_path
+
+    model = "tiny-random-llava"
+    rows = grpo_vlm_vs_trl.picture_rows(2, tmp_path)
+    fixed = grpo_vlm_vs_trl.fixed_completions(rows, model)
+    group = len(grpo_vlm_vs_trl.FIXED_ANSWERS)
+    assert len(fixed["completion_ids"]) == 2 * group
+    ours = grpo_vlm_vs_trl.ours_score(rows, fixed, max_completion_length=8, model=model)
+    assert ours["rewards"] == [1.0, 0.0, 0.0, 0.0] * 2
+    assert ours["shared_prompt"]
+    path = resolve_model_path(model)
+    processor = load_processor(str(path))
+    net = load_model(path, dtype=torch.float32, reward=False)
+    tokens, weighted = 0, 0.0
+    for b, completion in enumerate(fixed["completion_ids"]):
+        prompt = ours["prompt_ids"][b // group]
+        assert prompt.count(processor.image_token_id) > 0
+        picture = Image.open(rows[b // group]["images"][0]).convert("RGB")
+        pixels = processor.image_processor(images=[picture], return_tensors="pt")["pixel_values"]
+        with torch.no_grad():
+            logits = net(input_ids=torch.tensor([[*prompt, *completion]]),
+                         pixel_values=pixels).logits[0]  # fmt: skip
+        logp = torch.log_softmax(logits.double(), -1)
+        want = [float(logp[len(prompt) + j - 1, t]) for j, t in enumerate(completion)]
+        assert ours["logps"][b] == pytest.approx(want, abs=1e-5)
+        tokens += len(completion)
+        weighted += ours["advantages"][b] * len(completion)
     assert ours["loss"] == pytest.approx(-weighted / tokens, abs=1e-6)
 
 
