@@ -31,8 +31,11 @@ answer, right with more words) scored once through TRL's own image path (its
 `compute_loss`) and once through align_anything's (prompts encoded with their pictures as a
 run encodes them, `OnlineRL.collate` with the run's layout, `GRPO.attach_advantages` on the
 `shapes_answer` rewards, `GRPO.loss`, the calls `tasks/online/grpo.py` makes), each in its own
-process from the same weights: the prompt ids must be identical, the advantages, per-token
-log-probs and the loss within --tolerance (1e-4). Needs the `bench` extra.
+process from the same weights. The prompt ids must be identical, and the advantages, per-token
+log-probs and loss must agree within --tolerance (1e-4); the script exits 1 otherwise. The
+per-tensor gradient norms after `backward` are printed too: on-policy the loss value does not
+depend on the log-probs, but its gradient does. Needs the `bench` extra (TRL 1.16.0; a TRL
+installed elsewhere reaches the children through PYTHONPATH, which `common.child_env` passes on).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ hand-written answers, right and wrong) scored once through TRL's own code
 align_anything's (`forward.completion_token_logps`, `losses.grpo_per_token_loss`,
 `losses.loss_sum` / `losses.loss_items`, the calls `tasks/grpo.py` makes), each in its own
 process from the same weights: the largest per-token log-prob and loss differences.
+Picture questions on an image-text model: grpo_vlm_vs_trl.py, which reuses this file's runs.
 Needs the `bench` extra (`pip install -e ".[bench]"`); `--vllm` also needs TRL in the vLLM
 environment (`.venv-vllm/bin/pip install -c .venv-vllm/constraints.txt trl==1.16.0`).
 """
