@@ -1,24 +1,24 @@
 """Built-in text-to-audio data: one second of tones described by the caption, and the rule check
 of their pitch and their beeps.
 
-A clip is `SECONDS` s of mono audio at `SAMPLING_RATE` Hz: a sine tone, low (around `PITCH_HZ
-["low"]`) or high (around `PITCH_HZ["high"]`), within `PITCH_SPREAD` octaves of its centre,
+A clip is `SECONDS` s of mono audio at `SAMPLING_RATE` Hz: a sine tone, low, mid or high (around
+`PITCH_HZ`: 250 Hz, 707 Hz, 2 kHz, 1.5 octaves apart), within `PITCH_SPREAD` octaves of its centre,
 sounding as one of three patterns: a hum (one long tone, 0.7-0.8 s), a beep (one short tone,
 0.15-0.25 s) or two beeps (two short tones with a gap), each tone with 10 ms fades. The caption
-names both: "a low hum", "a high beep", "two low beeps". Everything is drawn from a fixed seed,
+names both: "a low hum", "a mid beep", "two high beeps". Everything is drawn from a fixed seed,
 so the files are the same on every machine (`generate`; a test checks the shipped files against
 it).
 
-Two pitch x pattern combinations (`HELD_OUT`, one per pitch) appear only in the held-out sets,
-so the held-out check measures whether the pitch word was learnt, not whether one clip was
-memorised.
+Three pitch x pattern combinations (`HELD_OUT`, one per pitch and one per pattern) appear only in
+the held-out sets, so the held-out check measures whether the pitch word was learnt, not whether
+one clip was memorised; every pattern is trained at the two other pitches.
 
 The clips are FLAC files (`CLIPS_PER_COMBO` per combination, in `builtin/t2a_tones/`) and the
 sets are parquet files naming them relative to the set (`data.path=<name>` selects one):
 - `t2a-tones` (`SFT_ROWS` rows): `audio` and `text`, true captions, for fine-tuning;
 - `t2a-tones-pref` (pairs) in the generic shape `prompt`, `chosen`, `rejected`: the chosen
-  clip sounds as the caption says, the rejected one is the same pattern at the other pitch (the
-  built-in base model's systematic error);
+  clip sounds as the caption says, the rejected one is the same pattern at the pitch one step up
+  (`MISHEARD`: low -> mid -> high -> low), the built-in base model's systematic error;
 - `t2a-tones-eval` (`EVAL_ROWS` rows): `text`, `audio` and `seed` (for the held-out check) on
   the held-out combinations; `t2a-tones-pref-eval`: held-out pairs.
 
@@ -43,22 +43,24 @@ import numpy as np
 
 SAMPLING_RATE = 16000
 SECONDS = 1.0
-PITCH_HZ: dict[str, float] = {"low": 250.0, "high": 2000.0}
+PITCH_HZ: dict[str, float] = {"low": 250.0, "mid": 707.0, "high": 2000.0}
 PITCHES: tuple[str, ...] = tuple(PITCH_HZ)
-OTHER_PITCH = {"low": "high", "high": "low"}
+# The built-in base's systematic error (and the rejected clip of every built-in pair): the pitch
+# one step up, the highest wrapping to the lowest.
+MISHEARD = {"low": "mid", "mid": "high", "high": "low"}
 PITCH_SPREAD = 0.25  # octaves either side of the centre the world draws
 PATTERNS: tuple[str, ...] = ("hum", "beep", "two beeps")
-HELD_OUT: tuple[tuple[str, str], ...] = (("low", "two beeps"), ("high", "hum"))
+HELD_OUT: tuple[tuple[str, str], ...] = (("low", "beep"), ("mid", "two beeps"), ("high", "hum"))
 ALL_COMBOS: tuple[tuple[str, str], ...] = tuple((p, q) for p in PITCHES for q in PATTERNS)
 TRAIN_COMBOS = tuple(c for c in ALL_COMBOS if c not in HELD_OUT)
 EVAL_COMBOS = HELD_OUT
 
 SEED = 20261204
 CLIPS_PER_COMBO = 8
-SFT_ROWS = 64
-PREF_TRAIN_ROWS = 64
-EVAL_ROWS = 32
-PREF_EVAL_ROWS = 16
+SFT_ROWS = 96
+PREF_TRAIN_ROWS = 96
+EVAL_ROWS = 48
+PREF_EVAL_ROWS = 24
 CLIP_DIR = "t2a_tones"  # under data/builtin/
 
 FADE_SECONDS = 0.01
@@ -141,7 +143,7 @@ def dominant_frequency(wave: np.ndarray, rate: int = SAMPLING_RATE) -> float:
 
 
 def pitch_of(wave: np.ndarray, rate: int = SAMPLING_RATE) -> str | None:
-    """ "low" or "high": the pitch whose centre is nearest the dominant frequency in octaves,
+    """ "low", "mid" or "high": the pitch whose centre is nearest the dominant frequency in octaves,
     None when it is over `MAX_OCTAVES` from both (or the clip is silent)."""
     frequency = dominant_frequency(wave, rate)
     if frequency <= 0:
@@ -227,13 +229,13 @@ def clips(seed: int = SEED) -> dict[str, np.ndarray]:
 
 def _pairs(rng: random.Random, combos: Sequence[tuple[str, str]], count: int) -> list[dict]:
     """The chosen clip sounds as the caption says; the rejected one is the same pattern (the
-    same draw index) at the other pitch."""
+    same draw index) at the pitch the built-in base hears (`MISHEARD`)."""
     rows = []
     for index in range(count):
         pitch, pattern = combos[index % len(combos)]
         k = (index // len(combos)) % CLIPS_PER_COMBO
         rows.append({"prompt": caption(pitch, pattern), "chosen": clip_name(pitch, pattern, k),
-                     "rejected": clip_name(OTHER_PITCH[pitch], pattern, k)})  # fmt: skip
+                     "rejected": clip_name(MISHEARD[pitch], pattern, k)})  # fmt: skip
     rng.shuffle(rows)
     return rows
 

@@ -10,16 +10,16 @@ enough to train and sample on a CPU, for the built-in tones (`tones.py`: one sec
   and mels, 4 latent channels): 100 frames x 16 mels <-> 4 x 50 x 8;
 - denoiser: a `UNet2DConditionModel` on those latents given the caption's embedding as a class
   embedding (`simple_projection`, concatenated with the time embedding; no cross attention to
-  text), two blocks (32 and 64 channels), self-attention at the lower one;
+  text), two blocks (32 and 64 channels), self-attention at the lower one; the shipped one
+  with `resnet_time_scale_shift="scale_shift"`;
 - scheduler: AudioLDM's DDIM (epsilon, scaled-linear betas 0.0015-0.0195);
 - vocoder: a `SpeechT5HifiGan` at 16 kHz reading `MEL_BINS` mels with AudioLDM's hop of 160
   samples (upsampling 8 x 5 x 4).
 
 The shipped weights (`SHIPPED_DIR`, safetensors) are trained by `scripts/build_builtin_t2a.py`
-(its docstring: the command, its time and its check). They were pre-trained on captions whose
-pitch word is usually the other one, meant to make the pitch systematically wrong for an
-alignment run to fix; measured, the model ignores the pitch word instead (the same seed gives
-the same clip for "low" and "high") and draws the patterns poorly: held-out check 0.16
+(its docstring: the commands, their times and checks): the UNet on true captions, then the
+text tower alone on misheard pitch words (`tones.MISHEARD`), so the base draws the caption's
+pattern at the wrong pitch, systematically: held-out check 0.00, the misheard caption 0.85
 (docs/text-to-audio.md).
 """
 
