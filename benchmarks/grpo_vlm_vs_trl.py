@@ -18,11 +18,12 @@ switchable optimisations off (the shared prompt among them: a picture question's
 picture included, runs once for its G completions by default). The completions differ (each side
 samples with its own generator), so only the throughput and the peak RSS are compared here.
 
-TRL gives a VLM's processor each message as a list of content blocks, which the model's chat
-template (SmolLM2's, text only) cannot render: TRL's child gets the model's template extended
-to content blocks (an image block renders as `<image>` and a line break, where
-align_anything puts a picture without a marker; `trl_child.content_block_template`), checked to
-render plain strings exactly as the model's own.
+TRL gives a VLM's processor each message as a list of content blocks, which a text model's
+chat template cannot render. The shipped llava-smollm2-shapes has SmolLM2's template extended
+to content blocks (`vlm_shapes.content_block_template`: an image block renders as `<image>` and
+a line break, where align_anything puts a picture without a marker); for another model TRL's
+child extends the model's template the same way, checked to render plain strings exactly as
+the model's own.
 
 Agreement (also printed after the runs): a fixed set of completions (`FIXED_ANSWERS` to each of
 `--agreement-prompts` picture questions: right, the model's designed confusion, another wrong

@@ -17,7 +17,8 @@ reward functions; `shapes_answer` for picture questions); grpo_score scores the 
 completions of `completions_path` once through TRL's own log-prob and loss code (see
 grpo_vs_trl.py). With `images` (grpo_vlm_vs_trl.py) the model is an image-text model: it loads
 with `AutoModelForImageTextToText`, its processor (chat template extended to content blocks:
-`content_block_template`) is the processing class, rows carry an `image` path, and grpo_score
+`vlm_shapes.content_block_template`, which the shipped llava-smollm2-shapes already has) is
+the processing class, rows carry an `image` path, and grpo_score
 runs TRL's own image path (`grpo_score_images`).
 Writes output_dir/result.json: per-step wall
 times (a callback around each optimizer step), the logged figures of every step, and the token
@@ -244,31 +245,12 @@ def shapes_answer_reward(prompts: list, completions: list, answer: list, **kwarg
 REWARD_FUNCTIONS = {"arith_exact": arith_exact_reward, "length_penalty": length_penalty_reward,
                     "shapes_answer": shapes_answer_reward}  # fmt: skip
 
-# What an image block of a message renders as (LLaVA's convention: the picture's marker on
-# its own line before the text; the processor expands the marker to the picture's tokens).
-IMAGE_BLOCK = "<image>\n"
-
-
-def content_block_template(template: str) -> str:
-    """The model's own chat template, extended to TRL's multimodal messages: TRL gives a VLM's
-    processor every message's content as a list of blocks (`{"type": "image"}`, `{"type":
-    "text", "text": ...}`), which a text model's template (SmolLM2's, in
-    llava-smollm2-shapes) cannot join to a string. Each `message['content']` becomes a macro
-    call that renders a string as it is and a block list as image markers and text."""
-    macro = (
-        "{% macro aa_content(content) %}{% if content is string %}{{ content }}{% else %}"
-        "{% for part in content %}{% if part['type'] == 'image' %}{{ '" + IMAGE_BLOCK.replace(
-            "\n", "\\n") + "' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-        "{% endmacro %}"
-    )  # fmt: skip
-    if "message['content']" not in template:
-        raise SystemExit("the model's chat template does not read message['content']")
-    return macro + template.replace("message['content']", "aa_content(message['content'])")
-
 
 def image_processor(path: str) -> Any:
     """The model's processor, its chat template extended to content blocks (checked: a
     conversation of plain strings renders exactly as with the model's own template)."""
+    from align_anything.families.language.vlm_shapes import content_block_template
+
     processor = AutoProcessor.from_pretrained(path)
     own = processor.chat_template
     processor.chat_template = content_block_template(own)

@@ -241,7 +241,9 @@ def test_trl_gets_the_models_chat_template_extended_to_content_blocks() -> None:
 
     tokenizer = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
     own = tokenizer.chat_template
-    extended = trl_child.content_block_template(own)
+    from align_anything.families.language.vlm_shapes import content_block_template
+
+    extended = content_block_template(own)
     question = "Which shape is in the picture? Answer with one word."
     as_string = [{"role": "user", "content": "<image>\n" + question}]
     blocks = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]

@@ -80,3 +80,29 @@ def test_the_assembled_model_loads_with_transformers_and_answers_as_built() -> N
     right = [shapes_answer_matches(r["answer"], a) for r, a in zip(records, answers, strict=True)]
     assert all(len(a.split()) == 1 for a in answers), answers
     assert built["check"]["check"] <= 0.5 and sum(right) < ROWS
+
+
+def test_the_processor_renders_content_blocks_as_the_project_renders_picture_rows() -> None:
+    """TRL and transformers' pipelines pass a picture question as content blocks; the shipped
+    chat template (SmolLM2's, extended: `vlm_shapes.content_block_template`) renders them as the
+    project's picture rows (the marker on its own line before the question), and plain strings
+    exactly as SmolLM2's own template does."""
+    from transformers import AutoProcessor
+
+    from align_anything.families.language.loading import load_tokenizer
+    from align_anything.families.zoo import resolve_model_path
+
+    processor = AutoProcessor.from_pretrained(resolve_model_path(vlm_shapes.NAME))
+    own = load_tokenizer(resolve_model_path(vlm_shapes.LANGUAGE_MODEL)).chat_template
+    question = "Which shape is in the picture? Answer with one word."
+    as_string = [{"role": "user", "content": "<image>\n" + question}]
+    blocks = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+    def render(messages: list, template: str | None = None) -> str:
+        return processor.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+
+    assert render(as_string) == render(as_string, own)
+    assert render(blocks) == render(as_string, own)
+    assert "<|im_start|>user\n<image>\n" + question in render(blocks)
+    assert vlm_shapes.content_block_template(processor.chat_template) == processor.chat_template

@@ -3,7 +3,10 @@
 LLaVA's layout (`LlavaForConditionalGeneration` with a `LlavaProcessor`: transformers' Auto
 classes load the folder with no project code):
 - language model: the real SmolLM2-135M-Instruct (the built-in `smollm2-135m-instruct`), its
-  tokenizer and chat template, plus the `<image>` token; kept frozen while the rest trains;
+  tokenizer and chat template, plus the `<image>` token; kept frozen while the rest trains. The
+  chat template is SmolLM2's, extended to content blocks (`content_block_template`), so tools
+  that pass messages as `[{"type": "image"}, {"type": "text", ...}]` (TRL, transformers'
+  pipelines) render them as the project renders its picture rows;
 - vision tower: a CLIP vision encoder of `VISION` (two layers of width 128) on 64x64 pictures
   in 16x16 patches: 16 image tokens per picture (the class token dropped, LLaVA's "default");
 - projector: LLaVA's two-layer MLP from the tower's width to SmolLM2's (576).
@@ -37,9 +40,35 @@ VISION = {
 TRAINED_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
 
 
+# What an image block of a message renders as (LLaVA's convention: the picture's marker on
+# its own line before the text; the processor expands the marker to the picture's tokens).
+IMAGE_BLOCK = "<image>\n"
+_BLOCK_MACRO = "aa_content"
+
+
+def content_block_template(template: str) -> str:
+    """A text model's chat template (SmolLM2's) extended to multimodal messages, whose content
+    is a list of blocks (`{"type": "image"}`, `{"type": "text", "text": ...}`) that a text
+    template cannot join to a string: each `message['content']` becomes a macro call that
+    renders a string as it is and a block list as `IMAGE_BLOCK` markers and text. Plain
+    strings render exactly as before (tested); a template already extended is returned as is."""
+    if _BLOCK_MACRO in template:
+        return template
+    if "message['content']" not in template:
+        raise ValueError("the chat template does not read message['content']; extend it by hand")
+    macro = (
+        "{% macro " + _BLOCK_MACRO + "(content) %}{% if content is string %}{{ content }}"
+        "{% else %}{% for part in content %}{% if part['type'] == 'image' %}{{ '"
+        + IMAGE_BLOCK.replace("\n", "\\n") + "' }}{% else %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}{% endmacro %}"
+    )  # fmt: skip
+    return macro + template.replace("message['content']", _BLOCK_MACRO + "(message['content'])")
+
+
 def build_processor(tokenizer: Any) -> Any:
     """SmolLM2's tokenizer plus `<image>`, a 64x64 CLIP-style image processor (resize and
-    centre crop to 64, CLIP's mean and spread) and SmolLM2's chat template."""
+    centre crop to 64, CLIP's mean and spread) and SmolLM2's chat template extended to content
+    blocks (`content_block_template`)."""
     from transformers import LlavaProcessor
     from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
@@ -50,7 +79,7 @@ def build_processor(tokenizer: Any) -> Any:
     return LlavaProcessor(
         image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
         vision_feature_select_strategy="default", num_additional_image_tokens=1,
-        chat_template=tokenizer.chat_template,
+        chat_template=content_block_template(tokenizer.chat_template),
     )  # fmt: skip
 
 
