@@ -11,7 +11,7 @@ it).
 
 Three pitch x pattern combinations (`HELD_OUT`, one per pitch and one per pattern) appear only in
 the held-out sets, so the held-out check measures whether the pitch word was learnt, not whether
-one clip was memorised; every pattern is trained at the two other pitches.
+one clip was memorised; every pattern is in the training sets at the two other pitches.
 
 The clips are FLAC files (`CLIPS_PER_COMBO` per combination, in `builtin/t2a_tones/`) and the
 sets are parquet files naming them relative to the set (`data.path=<name>` selects one):
