@@ -50,9 +50,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpo_vs_trl
 from common import (
     OURS_VARIANTS,
-    SEED,
     TRL_CHILD,
     child_env,
     interleave,
@@ -60,7 +60,7 @@ from common import (
     training_order,
     write_jsonl,
 )
-from grpo_vs_trl import run_ours, run_trl, settings, table
+from grpo_vs_trl import run_ours, run_trl, table
 
 MODEL = "llava-smollm2-shapes"
 DATA = "shapes-vqa-prompts"
@@ -98,36 +98,14 @@ def trl_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def ours_overrides(args: argparse.Namespace, data: Path) -> list[str]:
-    s = settings(args)
-    return [
-        "task=grpo", "deepspeed=z0", f"model.name_or_path={args.model}", f"data.path={data}",
-        "data.eval_path=null", "data.eval_fraction=0", f"data.max_length={MAX_LENGTH}",
-        f"train.max_steps={args.steps}",
-        f"train.per_device_batch_size={args.prompts * args.num_generations}",
-        "train.gradient_accumulation_steps=1", f"train.learning_rate={args.learning_rate}",
-        "train.lr_scheduler=constant", "train.warmup_ratio=0", "train.weight_decay=0",
-        "train.adam_eps=1e-8", "train.max_grad_norm=1.0", "train.precision=fp32",
-        f"train.seed={SEED}", "checkpoint.save_final=false", "logging.backends=[jsonl]",
-        "logging.completions_every=0", f"reward.functions=[align_anything.rewards:{REWARD}]",
-        f"grpo.num_generations={s['num_generations']}",
-        f"grpo.max_completion_length={s['max_completion_length']}",
-        f"grpo.temperature={s['temperature']}", f"grpo.top_p={s['top_p']}",
-        f"grpo.loss_type={s['loss_type']}", f"grpo.beta={s['beta']}",
-        f"grpo.epsilon={s['epsilon']}", "grpo.eval_samples=0",
-    ]  # fmt: skip
+    """grpo_vs_trl's settings, with this benchmark's prompt length and reward."""
+    return grpo_vs_trl.ours_overrides(args, data, max_length=MAX_LENGTH, reward=REWARD)
 
 
 def trl_spec(args: argparse.Namespace, rows_path: Path) -> dict[str, Any]:
-    from align_anything.families.zoo import resolve_model_path
-
-    return {
-        "task": "grpo", "images": True, "model_path": str(resolve_model_path(args.model)),
-        "rows_path": str(rows_path), "batch": args.prompts * args.num_generations,
-        "steps": args.steps, "max_length": MAX_LENGTH, "reward": REWARD,
-        "learning_rate": args.learning_rate, "seed": SEED, "adam_betas": [0.9, 0.999],
-        "adam_eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 1.0,
-        "gradient_checkpointing": False, "optim": "adamw_torch_fused", **settings(args),
-    }  # fmt: skip
+    """grpo_vs_trl's TRL side on picture rows."""
+    spec = grpo_vs_trl.trl_spec(args, rows_path, max_length=MAX_LENGTH, reward=REWARD)
+    return {**spec, "images": True}
 
 
 # ---------------------------------------------------------------- agreement on fixed completions

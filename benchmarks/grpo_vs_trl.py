@@ -93,20 +93,30 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def ours_overrides(args: argparse.Namespace, data: Path) -> list[str]:
+def row_limits(args: argparse.Namespace, max_length: int | None, reward: str | None
+               ) -> tuple[int, str]:  # fmt: skip
+    """(data.max_length, reward function) of a run: as given (grpo_vlm_vs_trl.py), else the row
+    set's (`--rows`)."""
+    if max_length is None:
+        max_length = rl_prompt_length(args.rows, args.max_completion_length)
+    return max_length, REWARDS[args.rows] if reward is None else reward
+
+
+def ours_overrides(args: argparse.Namespace, data: Path, *, max_length: int | None = None,
+                   reward: str | None = None) -> list[str]:  # fmt: skip
+    """align_anything's side (`max_length`, `reward`: see `row_limits`)."""
     s = settings(args)
+    max_length, reward = row_limits(args, max_length, reward)
     return [
         "task=grpo", "deepspeed=z0", f"model.name_or_path={args.model}", f"data.path={data}",
-        "data.eval_path=null", "data.eval_fraction=0",
-        f"data.max_length={rl_prompt_length(args.rows, args.max_completion_length)}",
+        "data.eval_path=null", "data.eval_fraction=0", f"data.max_length={max_length}",
         f"train.max_steps={args.steps}",
         f"train.per_device_batch_size={args.prompts * args.num_generations}",
         "train.gradient_accumulation_steps=1", f"train.learning_rate={args.learning_rate}",
         "train.lr_scheduler=constant", "train.warmup_ratio=0", "train.weight_decay=0",
         "train.adam_eps=1e-8", "train.max_grad_norm=1.0", "train.precision=fp32",
         f"train.seed={SEED}", "checkpoint.save_final=false", "logging.backends=[jsonl]",
-        "logging.completions_every=0",
-        f"reward.functions=[align_anything.rewards:{REWARDS[args.rows]}]",
+        "logging.completions_every=0", f"reward.functions=[align_anything.rewards:{reward}]",
         f"grpo.num_generations={s['num_generations']}",
         f"grpo.max_completion_length={s['max_completion_length']}",
         f"grpo.temperature={s['temperature']}", f"grpo.top_p={s['top_p']}",
@@ -115,15 +125,17 @@ def ours_overrides(args: argparse.Namespace, data: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def trl_spec(args: argparse.Namespace, rows_path: Path) -> dict[str, Any]:
+def trl_spec(args: argparse.Namespace, rows_path: Path, *, max_length: int | None = None,
+             reward: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """TRL's side, the same settings as `ours_overrides`."""
     from align_anything.families.zoo import resolve_model_path
 
+    max_length, reward = row_limits(args, max_length, reward)
     return {
         "task": "grpo", "model_path": str(resolve_model_path(args.model)),
         "rows_path": str(rows_path), "batch": args.prompts * args.num_generations,
-        "steps": args.steps,
-        "max_length": rl_prompt_length(args.rows, args.max_completion_length),
-        "reward": REWARDS[args.rows], "learning_rate": args.learning_rate,
+        "steps": args.steps, "max_length": max_length, "reward": reward,
+        "learning_rate": args.learning_rate,
         "seed": SEED, "adam_betas": [0.9, 0.999], "adam_eps": 1e-8, "weight_decay": 0.0,
         "max_grad_norm": 1.0, "gradient_checkpointing": False, "optim": "adamw_torch_fused",
         **settings(args),

@@ -182,6 +182,24 @@ def test_data_scale_rows_are_all_different_and_numbered(tmp_path: Path) -> None:
     assert "| 1,000 | 2.0 | 0.50 | 4.0 | 0.50x | 0.125x | 150 / 150 / 150 | 50 / 50 |" in table
 
 
+def assert_scored_as_by_hand(net, sequences: list, advantages: list, ours: dict) -> None:
+    """The reference of both GRPO agreement checks: for each (prompt ids, completion ids, extra
+    forward inputs), log_softmax of the full forward at each completion position equals ours;
+    on-policy (ratio 1), the dapo loss is -Σ advantage over completion tokens / their count."""
+    import torch
+
+    tokens, weighted = 0, 0.0
+    for b, (prompt, completion, extra) in enumerate(sequences):
+        with torch.no_grad():
+            logits = net(input_ids=torch.tensor([[*prompt, *completion]]), **extra).logits[0]
+        logp = torch.log_softmax(logits.double(), -1)
+        want = [float(logp[len(prompt) + j - 1, t]) for j, t in enumerate(completion)]
+        assert ours["logps"][b] == pytest.approx(want, abs=1e-5)
+        tokens += len(completion)
+        weighted += advantages[b] * len(completion)
+    assert ours["loss"] == pytest.approx(-weighted / tokens, abs=1e-6)
+
+
 def test_grpo_fixed_completions_scored_as_by_hand() -> None:
     """The align_anything side of grpo_vs_trl's agreement check (TRL's side needs trl) against a
     hand-written reference: log_softmax of the full forward at each completion position, and,
@@ -199,17 +217,9 @@ def test_grpo_fixed_completions_scored_as_by_hand() -> None:
     assert (advantages[:, 0] > 0).all() and (advantages[:, 1:] < 0).all()
     ours = grpo_vs_trl.ours_score("tiny-random-llama", fixed)
     net = load_model(resolve_model_path("tiny-random-llama"), dtype=torch.float32, reward=False)
-    tokens, weighted = 0, 0.0
-    for b, (prompt, completion) in enumerate(zip(fixed["prompt_ids"], fixed["completion_ids"],
-                                                 strict=True)):  # fmt: skip
-        with torch.no_grad():
-            logits = net(input_ids=torch.tensor([[*prompt, *completion]])).logits[0]
-        logp = torch.log_softmax(logits.double(), -1)
-        want = [float(logp[len(prompt) + j - 1, t]) for j, t in enumerate(completion)]
-        assert ours["logps"][b] == pytest.approx(want, abs=1e-5)
-        tokens += len(completion)
-        weighted += fixed["advantages"][b] * len(completion)
-    assert ours["loss"] == pytest.approx(-weighted / tokens, abs=1e-6)
+    sequences = [(prompt, completion, {}) for prompt, completion
+                 in zip(fixed["prompt_ids"], fixed["completion_ids"], strict=True)]  # fmt: skip
+    assert_scored_as_by_hand(net, sequences, fixed["advantages"], ours)
 
 
 def test_the_vlm_grpo_benchmarks_sides_share_the_settings(tmp_path: Path) -> None:
@@ -279,21 +289,14 @@ def test_vlm_grpo_fixed_completions_scored_as_by_hand(tmp_path: Path) -> None:
     path = resolve_model_path(model)
     processor = load_processor(str(path))
     net = load_model(path, dtype=torch.float32, reward=False)
-    tokens, weighted = 0, 0.0
+    sequences = []
     for b, completion in enumerate(fixed["completion_ids"]):
         prompt = ours["prompt_ids"][b // group]
         assert prompt.count(processor.image_token_id) > 0
         picture = Image.open(rows[b // group]["images"][0]).convert("RGB")
         pixels = processor.image_processor(images=[picture], return_tensors="pt")["pixel_values"]
-        with torch.no_grad():
-            logits = net(input_ids=torch.tensor([[*prompt, *completion]]),
-                         pixel_values=pixels).logits[0]  # fmt: skip
-        logp = torch.log_softmax(logits.double(), -1)
-        want = [float(logp[len(prompt) + j - 1, t]) for j, t in enumerate(completion)]
-        assert ours["logps"][b] == pytest.approx(want, abs=1e-5)
-        tokens += len(completion)
-        weighted += ours["advantages"][b] * len(completion)
-    assert ours["loss"] == pytest.approx(-weighted / tokens, abs=1e-6)
+        sequences.append((prompt, completion, {"pixel_values": pixels}))
+    assert_scored_as_by_hand(net, sequences, ours["advantages"], ours)
 
 
 def test_the_ppo_benchmarks_side_is_a_valid_run_with_the_shared_settings(tmp_path: Path) -> None:
