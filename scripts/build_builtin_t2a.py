@@ -321,9 +321,9 @@ def train_denoiser(parts: dict, latents: torch.Tensor, combos, args: argparse.Na
 
 
 def held_out_check(parts: dict, args: argparse.Namespace, waves_out: list | None = None) -> dict:
-    """The 32 held-out captions of `t2a-tones-eval` sampled (DDIM, `--check-steps` steps, seeds
+    """The 48 held-out captions of `t2a-tones-eval` sampled (DDIM, `--check-steps` steps, seeds
     from the file): the share that match (`tones.match_rate`), that have the caption's pitch,
-    that have its pattern, and that match the caption with the other pitch word (the base's
+    that have its pattern, and that match the misheard caption (`tones.MISHEARD`: the base's
     systematic error)."""
     pipeline = t2a.pipeline_from(parts)
     pipeline.set_progress_bar_config(disable=True)
