@@ -177,7 +177,8 @@ ALM_RUN_DIR ?= outputs/alm-$(shell date +%Y%m%d-%H%M%S)
 ALM_ARGS := task=grpo deepspeed=z0 model.name_or_path=qwen2audio-smollm2-tones \
 	data.path=tones-qa-prompts data.eval_path=tones-qa-prompts-eval \
 	reward.functions=[align_anything.rewards:tones_answer] grpo.max_completion_length=4 \
-	'model.freeze=[language_model]' train.learning_rate=1e-3 train.max_steps=16
+	'model.freeze=[language_model]' train.learning_rate=3e-4 grpo.num_generations=8 \
+	grpo.temperature=1.2 train.max_steps=32
 
 train-alm: setup
 	$(PY) -m align_anything.train $(ALM_ARGS) output_dir=$(ALM_RUN_DIR)
