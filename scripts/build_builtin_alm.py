@@ -66,15 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--encoder-check", type=int, default=270,
                         help="held-out clips the heads classify (30 per combination)")  # fmt: skip
     parser.add_argument("--encoder-check-every", type=int, default=50)
-    parser.add_argument("--caption-steps", type=int, default=40)
-    parser.add_argument("--question-steps", type=int, default=120)
+    parser.add_argument("--caption-steps", type=int, default=30)
+    parser.add_argument("--question-steps", type=int, default=170)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3, help="the projector's")
     parser.add_argument("--projector-init", type=float, default=0.1,
                         help="scale of the projector's initial weights (its bias starts at 0)")  # fmt: skip
     parser.add_argument("--tower-lr", type=float, default=1e-4,
                         help="the encoder's, in stages 2 and 3")  # fmt: skip
-    parser.add_argument("--confuse", type=float, default=0.6,
+    parser.add_argument("--confuse", type=float, default=0.75,
                         help="probability of the designed wrong answer, where there is one")  # fmt: skip
     parser.add_argument("--check-rows", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4,
