@@ -3,12 +3,14 @@
 shared-prompt rows (the prompt with its clip once, its completions after it) give the plain
 rows' per-token log-probs, and each audio prompt prefilled once and its cache copied
 (`decode.sample_completions(media=...)`) samples the very tokens `generate` samples with the
-same seeds."""
+same seeds. Through the entry point (slow): GRPO on `tones-qa-prompts` with the waveform-rule
+reward `tones_audio`, the shared rows on and off: the same losses and rewards."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import launch
 
 from align_anything.data.builtin import builtin_path
 from align_anything.families.language import IGNORE_INDEX
@@ -121,3 +123,45 @@ def test_audio_prompts_prefilled_once_sample_what_generate_samples(tiny) -> None
             theirs.append(tokens[: tokens.index(stop[0]) + 1] if stop[0] in tokens else tokens)
     assert ours == theirs
     assert len({tuple(t) for t in ours}) > 1  # sampled, not one greedy answer repeated
+
+
+# ---------------------------------------------------------------------------- through the entry point
+
+GRPO_ALM = [
+    "task=grpo", f"model.name_or_path={TINY}", "train.precision=fp32", "train.seed=42",
+    "deepspeed=z0",
+    "data.path=tones-qa-prompts", "data.eval_path=tones-qa-prompts-eval",
+    "data.max_train_samples=8", "train.max_steps=2", "train.per_device_batch_size=8",
+    "train.learning_rate=1e-3", "grpo.num_generations=4", "grpo.max_completion_length=4",
+    "grpo.eval_samples=4", "reward.functions=[align_anything.rewards:tones_audio]",
+    "checkpoint.save_final=false",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("alm-grpo")
+    return {
+        share: launch(
+            [*GRPO_ALM, f"speed.share_prefix={str(share).lower()}"], root / f"share-{share}"
+        ).check()  # fmt: skip
+        for share in (True, False)
+    }
+
+
+@pytest.mark.slow
+def test_grpo_on_clips_shared_rows_change_nothing(grpo_runs) -> None:
+    """GRPO on the built-in clips (FLAC bytes) rewarded by the waveform rule: the shared rows
+    (the prompt and its clip once per group) give the plain rows' losses and rewards; the rule
+    had an opinion on every completion (one clip each, a known question)."""
+    shared, plain = grpo_runs[True], grpo_runs[False]
+    assert "the prompt's media once" in shared.summary_line("rows")
+    for a, b in zip(shared.train_steps(), plain.train_steps(), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+        assert a["reward"] == b["reward"]
+    for step in shared.train_steps():
+        assert step["frac_reward_none"] == 0.0 and "rewards/tones_audio/mean" in step
+    for phase in ("before", "after"):
+        evaluation = shared.eval(phase)
+        assert 0.0 <= evaluation["eval/generation_check"] <= 1.0
+        assert "eval/rewards/tones_audio" in evaluation
