@@ -78,6 +78,14 @@ BUILTIN_DATASETS: dict[str, str] = {
     "shapes-vqa-pref-eval": "shapes_vqa_pref_eval.parquet",
     "shapes-vqa-prompts": "shapes_vqa_prompts_train.parquet",
     "shapes-vqa-prompts-eval": "shapes_vqa_prompts_eval.parquet",
+    # Questions about clips of the tones world, for audio-text models
+    # (`families/text_to_audio/tones_qa.py` writes them; FLAC bytes embedded).
+    "tones-qa": "tones_qa_train.parquet",
+    "tones-qa-eval": "tones_qa_eval.parquet",
+    "tones-qa-pref": "tones_qa_pref_train.parquet",
+    "tones-qa-pref-eval": "tones_qa_pref_eval.parquet",
+    "tones-qa-prompts": "tones_qa_prompts_train.parquet",
+    "tones-qa-prompts-eval": "tones_qa_prompts_eval.parquet",
 }
 ARITH_DATASETS = tuple(name for name in BUILTIN_DATASETS if name.startswith("arith-"))
 

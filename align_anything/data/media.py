@@ -2,8 +2,11 @@
 
 Records keep references, never decoded media: an image is a file path (relative to the dataset
 file's folder, or absolute), raw bytes, or a ``{"path": ..., "bytes": ...}`` dict (the layout
-`datasets` uses for undecoded images); audio is a WAV file path, a ``{"path": ...}`` dict, or
-``{"array": [...], "sampling_rate": N}``. Decoding happens per batch in the collate step.
+`datasets` uses for undecoded images); audio is a WAV file path, a ``{"path": ...}`` dict,
+``{"array": [...], "sampling_rate": N}``, or embedded bytes of an audio file (raw, or
+``{"bytes": ...}``: the layout of `datasets`' undecoded audio) in any format libsndfile reads
+(WAV, FLAC, OGG; the built-in `tones-qa` sets embed FLAC). Decoding happens per batch in the
+collate step.
 
 `probe_image` / `probe_audio` read only what a data check needs (an image's header for its size,
 a WAV header for its length), so the check over every row at data preparation is cheap and
@@ -236,7 +239,7 @@ def _wav_path(ref: Any, base_dir: Path | None) -> Path:
     path_value = ref.get("path") if isinstance(ref, Mapping) else ref
     if not isinstance(path_value, str) or not path_value:
         raise MediaUnreadable(
-            f"audio reference {describe(ref)!r} is neither a path nor "
+            f"audio reference {describe(ref)!r} is neither a path, embedded bytes nor "
             "{'array': [...], 'sampling_rate': N}"
         )
     path = _existing_file(_resolve(path_value, base_dir), "audio")
@@ -248,8 +251,35 @@ def _wav_path(ref: Any, base_dir: Path | None) -> Path:
     return path
 
 
+def _audio_bytes(ref: Any) -> bytes | None:
+    """The embedded bytes of an audio reference (raw, or a dict's `bytes`), None for others."""
+    if isinstance(ref, (bytes, bytearray)):
+        return bytes(ref)
+    if isinstance(ref, Mapping) and ref.get("array") is None and ref.get("bytes") is not None:
+        return bytes(ref["bytes"])
+    return None
+
+
+def _embedded_audio(data: bytes, ref: Any, *, header_only: bool) -> Any:
+    """soundfile's `info` (header_only) or (float32 samples [n, channels], rate) of embedded
+    audio bytes; unreadable bytes raise `MediaUnreadable`."""
+    import soundfile
+
+    try:
+        if header_only:
+            return soundfile.info(io.BytesIO(data))
+        return soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (RuntimeError, soundfile.LibsndfileError) as err:
+        raise MediaUnreadable(f"audio {describe(ref)} cannot be decoded: {err}") from None
+
+
 def probe_audio(ref: Any, base_dir: Path | None) -> tuple[int, int]:
-    """(number of samples, sampling rate) from a WAV header or an embedded array."""
+    """(number of samples, sampling rate) from a WAV header, embedded bytes' header or an
+    embedded array."""
+    data = _audio_bytes(ref)
+    if data is not None:
+        info = _embedded_audio(data, ref, header_only=True)
+        return int(info.frames), int(info.samplerate)
     if isinstance(ref, Mapping) and ref.get("array") is not None:
         rate = ref.get("sampling_rate")
         if not isinstance(rate, int) or rate <= 0:
@@ -281,6 +311,10 @@ def target_samples(n: int, rate: int, target_rate: int) -> int:
 
 def load_audio(ref: Any, base_dir: Path | None, target_rate: int) -> np.ndarray:
     """Mono float32 samples in [-1, 1] at `target_rate`."""
+    data = _audio_bytes(ref)
+    if data is not None:
+        samples, rate = _embedded_audio(data, ref, header_only=False)
+        return resample(samples.mean(axis=1).astype(np.float32), int(rate), target_rate)
     if isinstance(ref, Mapping) and ref.get("array") is not None:
         _, rate = probe_audio(ref, base_dir)
         samples = np.asarray(ref["array"], dtype=np.float32)

@@ -14,6 +14,9 @@ Built-in names serve the offline default run and the tests:
   inside LLaVA's layout with a small trained vision tower and projector, which alone ship
   (~3 MB, `families/language/vlm_shapes.py`); assembled with SmolLM2 into the cache on first
   use (seconds after SmolLM2's conversion).
+- `qwen2audio-smollm2-tones`: the same for audio: the real SmolLM2 inside Qwen2-Audio's layout
+  with a small trained Whisper-style encoder and projector, which alone ship (~2 MB,
+  `families/language/alm_tones.py`); assembled the same way.
 - `tiny-random-sd`, `-sd-v`, `-sdxl`, `-sd3`, `-flux`: tiny diffusers text-to-image pipelines,
   one per kind of pipeline (built in `families/text_to_image/tiny.py`), saved and loaded the
   same way.
@@ -86,6 +89,10 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     # raise the version when they are rebuilt, so caches renew).
     "llava-smollm2-shapes": BuiltinModel(
         "language", "align_anything.families.language.vlm_shapes:assemble", 2
+    ),
+    # Audio-text that learns: SmolLM2 with a trained encoder and projector (shipped, ~2 MB).
+    "qwen2audio-smollm2-tones": BuiltinModel(
+        "language", "align_anything.families.language.alm_tones:assemble", 1
     ),
     # Text-to-image: tiny diffusers pipelines, one per kind of pipeline.
     "tiny-random-sd": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_sd"),

@@ -18,6 +18,8 @@ from align_anything.rewards.builtin import (
     shape_colour,
     shapes_answer,
     shapes_picture,
+    tones_answer,
+    tones_audio,
 )
 
 __all__ = [
@@ -27,4 +29,6 @@ __all__ = [
     "shape_colour",
     "shapes_answer",
     "shapes_picture",
+    "tones_answer",
+    "tones_audio",
 ]

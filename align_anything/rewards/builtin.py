@@ -1,7 +1,8 @@
 """The built-in reward functions, named `align_anything.rewards:<name>` in `reward.functions`
 (this package's `__init__` exports them): for the built-in arithmetic prompts
 (`arith-prompts`), for the questions about pictures (`shapes-vqa-prompts`: one by the data's
-answer, one that reads the answer off the picture it was given), for images of the built-in
+answer, one that reads the answer off the picture it was given), for the questions about clips
+(`tones-qa-prompts`: the same two, `tones_answer` and `tones_audio`), for images of the built-in
 shapes world (`shape_colour`), and a shaping example."""
 
 from __future__ import annotations
@@ -119,13 +120,57 @@ def shapes_picture(
     return rewards
 
 
+def tones_answer(
+    prompts: list, completions: list[str], answer: list, **kwargs: Any
+) -> list[float | None]:
+    """1.0 when the completion is exactly the row's one-word `answer` to a `tones-qa` question
+    ("low", "mid", "high"; "0", "1", "2" beeps), compared as `shapes_answer` compares (case,
+    surrounding white space and a final full stop aside), else 0.0; None for a row without an
+    answer."""
+    return shapes_answer(prompts, completions, answer)
+
+
+def tones_audio(
+    prompts: list, completions: list[str], prompt_audio: list, **kwargs: Any
+) -> list[float | None]:
+    """The `tones-qa` check against the clip itself rather than an answer column: the pitch or
+    the number of beeps (the `question` field, else the question's words) read off the row's
+    clip by the tones world's waveform rule (`tones_qa.read_clip`: the dominant frequency, the
+    envelope's tones), compared like `tones_answer`. None for a row that does not have exactly
+    one clip the rule can read, or whose question is neither. An example of a reward that
+    listens to the input: it needs an audio-text policy, whose rows' clips reach reward
+    functions as `prompt_audio` (float32 arrays at the model's sampling rate, 16 kHz for
+    `qwen2audio-smollm2-tones`)."""
+    from align_anything.families.text_to_audio.tones_qa import KINDS, read_clip
+
+    kinds = kwargs.get("question") or [None] * len(completions)
+    rewards: list[float | None] = []
+    read: dict[int, dict[str, str] | None] = {}
+    for prompt, completion, clips, kind in zip(prompts, completions, prompt_audio, kinds,
+                                                strict=True):  # fmt: skip
+        kind = kind if kind in KINDS else _question_kind(prompt)
+        if kind not in KINDS or len(clips) != 1:
+            rewards.append(None)
+            continue
+        key = id(clips[0])
+        if key not in read:
+            read[key] = read_clip(clips[0])
+        answers = read[key]
+        rewards.append(None if answers is None else
+                       float(shapes_answer_matches(answers[kind], completion)))  # fmt: skip
+    return rewards
+
+
 def _question_kind(prompt: Any) -> str | None:
-    """Which `shapes-vqa` question a prompt (text or messages) asks, from its last user turn."""
+    """Which `shapes-vqa` or `tones-qa` question a prompt (text or messages) asks, from its
+    last user turn."""
     if isinstance(prompt, list):
         users = [m.get("content", "") for m in prompt if m.get("role") == "user"]
         prompt = users[-1] if users else ""
     text = str(prompt).lower()
-    for kind, words in (("colour", "what colour"), ("count", "how many"), ("shape", "which shape")):
+    for kind, words in (("colour", "what colour"), ("beeps", "how many beeps"),
+                        ("count", "how many"), ("shape", "which shape"),
+                        ("pitch", "low, mid or high")):  # fmt: skip
         if words in text:
             return kind
     return None

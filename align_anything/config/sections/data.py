@@ -57,7 +57,7 @@ class DataSource(_Section):
 
 class DataConfig(_Section):
     path: str | list[DataSource] = Field(
-        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`, `arith-prompts`, `arith-prompts-eval`; for image-text models `shapes-vqa`, `shapes-vqa-pref`, `shapes-vqa-prompts` and their `-eval` sets) or a hub dataset; or a list of sources to mix, each `{path, format, columns, weight | rows}` (e.g. `[{path: a.jsonl, weight: 3}, {path: b.jsonl, weight: 1}]`).",
+        description="Training data: a local .json/.jsonl/.jsonl.gz/.parquet/.csv file or folder, a built-in name (`arith-sft`, `arith-pref`, `arith-pref-eval`, `arith-kto`, `arith-prompts`, `arith-prompts-eval`; for image-text models `shapes-vqa`, `shapes-vqa-pref`, `shapes-vqa-prompts` and their `-eval` sets; for audio-text models `tones-qa`, `tones-qa-pref`, `tones-qa-prompts` and their `-eval` sets) or a hub dataset; or a list of sources to mix, each `{path, format, columns, weight | rows}` (e.g. `[{path: a.jsonl, weight: 3}, {path: b.jsonl, weight: 1}]`).",
     )
     format: DataFormat = Field(
         description="How rows map to records; `auto` recognises conversations, prompt/response, preference pairs, HH-RLHF transcripts, unpaired rows (prompt, completion, label), prompts alone (online RL) and align-anything's ranked pairs (`response_1`, `response_2`, `overall_response`: `ranked_pair`). Its column names also serve: `question` for a missing `prompt`, `image` for `images`, `audio_path` for `audio`.",

@@ -25,6 +25,9 @@ PROPERTY_CHECKS: dict[str, Callable[[dict, str], bool]] = {
     # Questions about pictures: the greedy answer is exactly the row's `answer`.
     "shapes-vqa-prompts": shapes_vqa_check,
     "shapes-vqa-prompts-eval": shapes_vqa_check,
+    # Questions about clips (`tones-qa`): the same comparison with the row's one-word `answer`.
+    "tones-qa-prompts": shapes_vqa_check,
+    "tones-qa-prompts-eval": shapes_vqa_check,
 }
 # Prompts generated for at once.
 CHUNK = 16

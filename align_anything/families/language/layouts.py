@@ -49,24 +49,28 @@ def supports_shared_prompt(config: Any) -> bool:
     )
 
 
-# Image-text architectures whose forward puts each image's features in place of its placeholder
-# tokens and then runs the language model on ordinary 1D positions: a prompt's image tokens may
-# be computed once for several completions (the shared-prompt rows of online RL, and one prefill
-# per prompt in generation). Not Qwen2-VL and its kin: their positions come from the images'
-# grid (M-RoPE), which a row holding several sequences would have to rebuild.
-MEDIA_IN_PLACE = ("llava",)
+# Image-text and audio-text architectures whose forward puts each item's features in place of
+# its placeholder tokens and then runs the language model on ordinary 1D positions: a prompt's
+# media tokens may be computed once for several completions (the shared-prompt rows of online
+# RL, and one prefill per prompt in generation). LLaVA; Qwen2-Audio with its placeholders
+# expanded in the text, as the family writes them (its forward then scatters the clip's
+# features over them; tested: tests/test_alm_online.py). Not Qwen2-VL and its kin: their
+# positions come from the images' grid (M-RoPE), which a row holding several sequences would
+# have to rebuild.
+MEDIA_IN_PLACE = ("llava", "qwen2_audio")
 
 
 def media_in_place(config: Any) -> bool:
-    """Whether an image-text model's media enter as features at their placeholder tokens with
-    1D positions (`MEDIA_IN_PLACE`), so its prompts can be computed once and reused."""
+    """Whether an image-text or audio-text model's media enter as features at their placeholder
+    tokens with 1D positions (`MEDIA_IN_PLACE`), so its prompts can be computed once and
+    reused."""
     return getattr(config, "model_type", None) in MEDIA_IN_PLACE
 
 
 def supports_shared_media_prompt(config: Any) -> bool:
-    """Whether an image-text model can run online RL's shared-prompt rows (a prompt with its
-    images once, its completions after it): media in place and attention that takes a dense
-    4D mask."""
+    """Whether an image-text or audio-text model can run online RL's shared-prompt rows (a
+    prompt with its media once, its completions after it): media in place and attention that
+    takes a dense 4D mask."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     kernel = getattr(text_config, "_attn_implementation", None)
     return media_in_place(config) and kernel in DENSE_MASK_ATTENTION

@@ -46,21 +46,28 @@ IMAGE_BLOCK = "<image>\n"
 _BLOCK_MACRO = "aa_content"
 
 
-def content_block_template(template: str) -> str:
+def content_block_template(template: str, blocks: dict[str, str] | None = None) -> str:
     """A text model's chat template (SmolLM2's) extended to multimodal messages, whose content
     is a list of blocks (`{"type": "image"}`, `{"type": "text", "text": ...}`) that a text
     template cannot join to a string: each `message['content']` becomes a macro call that
-    renders a string as it is and a block list as `IMAGE_BLOCK` markers and text. Plain
-    strings render exactly as before (tested); a template already extended is returned as is."""
+    renders a string as it is and a block list as media markers and text. `blocks`: the text of
+    each media block by its type (default `{"image": IMAGE_BLOCK}`; the audio-text model's is
+    `alm_tones.AUDIO_BLOCK`). Plain strings render exactly as before (tested); a template
+    already extended is returned as is."""
     if _BLOCK_MACRO in template:
         return template
     if "message['content']" not in template:
         raise ValueError("the chat template does not read message['content']; extend it by hand")
+    blocks = {"image": IMAGE_BLOCK} if blocks is None else blocks
+    branches = "".join(
+        ("{% if " if i == 0 else "{% elif ") + f"part['type'] == '{kind}' %}}{{{{ '"
+        + text.replace("\n", "\\n") + "' }}"
+        for i, (kind, text) in enumerate(blocks.items())
+    )  # fmt: skip
     macro = (
         "{% macro " + _BLOCK_MACRO + "(content) %}{% if content is string %}{{ content }}"
-        "{% else %}{% for part in content %}{% if part['type'] == 'image' %}{{ '"
-        + IMAGE_BLOCK.replace("\n", "\\n") + "' }}{% else %}{{ part['text'] }}{% endif %}"
-        "{% endfor %}{% endif %}{% endmacro %}"
+        "{% else %}{% for part in content %}" + branches + "{% else %}{{ part['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}{% endmacro %}"
     )  # fmt: skip
     return macro + template.replace("message['content']", _BLOCK_MACRO + "(message['content'])")
 
