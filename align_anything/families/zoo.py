@@ -85,7 +85,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     # Image-text that learns: SmolLM2 with a trained tower and projector (shipped, ~3 MB;
     # raise the version when they are rebuilt, so caches renew).
     "llava-smollm2-shapes": BuiltinModel(
-        "language", "align_anything.families.language.vlm_shapes:assemble", 2
+        "language", "align_anything.families.language.vlm_shapes:assemble", 4
     ),
     # Text-to-image: tiny diffusers pipelines, one per kind of pipeline.
     "tiny-random-sd": BuiltinModel("text_to_image", f"{_T2I}:build_tiny_sd"),
