@@ -155,7 +155,8 @@ train-t2a: setup
 # and squares swapped) on the built-in picture questions, rewarded for the exact one-word answer
 # (align_anything.rewards:shapes_answer). It passes when the held-out exact-answer rate (greedy
 # answers to 64 questions about held-out pictures) goes from at most 0.5 to at least 0.85. It
-# does not pass yet: measured 0.28 -> 0.25 (docs/multimodal.md, the built-in image-text model).
+# does not pass yet: the base reads the pictures (0.50 right, 0.45 the designed confusion), but
+# GRPO has not raised the answers (docs/multimodal.md, the built-in image-text model).
 VLM_RUN_DIR ?= outputs/vlm-$(shell date +%Y%m%d-%H%M%S)
 VLM_ARGS := task=grpo deepspeed=z0 model.name_or_path=llava-smollm2-shapes \
 	data.path=shapes-vqa-prompts data.eval_path=shapes-vqa-prompts-eval \

@@ -88,7 +88,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
     # Image-text that learns: SmolLM2 with a trained tower and projector (shipped, ~3 MB;
     # raise the version when they are rebuilt, so caches renew).
     "llava-smollm2-shapes": BuiltinModel(
-        "language", "align_anything.families.language.vlm_shapes:assemble", 2
+        "language", "align_anything.families.language.vlm_shapes:assemble", 4
     ),
     # Audio-text that learns: SmolLM2 with a trained encoder and projector (shipped, ~2 MB).
     "qwen2audio-smollm2-tones": BuiltinModel(
