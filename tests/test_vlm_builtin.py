@@ -106,3 +106,51 @@ def test_the_processor_renders_content_blocks_as_the_project_renders_picture_row
     assert render(blocks) == render(as_string, own)
     assert "<|im_start|>user\n<image>\n" + question in render(blocks)
     assert vlm_shapes.content_block_template(processor.chat_template) == processor.chat_template
+
+
+def test_dpo_checks_held_out_answers_with_their_pictures(tmp_path) -> None:
+    """DPO's `eval/generation_check` on the picture questions answers each with its own
+    picture: before training it is the share of the first 16 `shapes-vqa-pref-eval` rows whose
+    greedy answer, computed here with transformers alone, is the row's answer."""
+    from conftest import run_inline
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from align_anything.data.builtin import shapes_answer_matches
+    from align_anything.data.formats import load_records
+    from align_anything.families.zoo import resolve_model_path
+
+    result = run_inline([
+        "task=dpo", "deepspeed=z0", f"model.name_or_path={vlm_shapes.NAME}",
+        "data.path=shapes-vqa-pref", "data.eval_path=shapes-vqa-pref-eval",
+        "data.max_train_samples=8", f"data.max_eval_samples={ROWS}", "train.max_steps=1",
+        "train.per_device_batch_size=8", f"dpo.generation_check_samples={ROWS}",
+        "dpo.generation_max_new_tokens=6", "checkpoint.save_final=false",
+    ], tmp_path / "dpo").check()  # fmt: skip
+    measured = result.eval("before")["eval/generation_check"]
+
+    folder = resolve_model_path(vlm_shapes.NAME)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(folder)
+    records = load_records("shapes-vqa-pref-eval")[0][:ROWS]
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "left"
+    # A row's text names where its pictures go ("<image>"); one without gets its picture first.
+    texts = [r["prompt"][0]["content"] for r in records]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t if "<image>" in t else "<image>\n" + t}],
+            add_generation_prompt=True, tokenize=False,
+        )
+        for t in texts
+    ]  # fmt: skip
+    images = [Image.open(io.BytesIO(png)).convert("RGB") for r in records for png in r["images"]]
+    assert len(images) > ROWS  # rows with two pictures among them
+    batch = processor(text=prompts, images=images, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=6, do_sample=False)
+    answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :],
+                                     skip_special_tokens=True)  # fmt: skip
+    right = [shapes_answer_matches(r["answer"], a) for r, a in zip(records, answers, strict=True)]
+    assert 0 < sum(right) < ROWS  # the model reads the pictures, with its designed confusions
+    assert measured == sum(right) / ROWS
