@@ -30,6 +30,8 @@ PROPERTY_CHECKS: dict[str, Callable[[dict, str], bool]] = {
     # Questions about clips (`tones-qa`): the same comparison with the row's one-word `answer`.
     "tones-qa-prompts": shapes_vqa_check,
     "tones-qa-prompts-eval": shapes_vqa_check,
+    "tones-qa-pref": shapes_vqa_check,
+    "tones-qa-pref-eval": shapes_vqa_check,
 }
 # Prompts generated for at once.
 CHUNK = 16
