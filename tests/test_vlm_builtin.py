@@ -52,29 +52,16 @@ def test_the_assembled_model_loads_with_transformers_and_answers_as_built() -> N
     built = json.loads((vlm_shapes.SHIPPED_DIR / "build.json").read_text())
     records, _ = load_records("shapes-vqa-prompts-eval")
     records = records[:ROWS]
-    tokenizer = processor.tokenizer
-    tokenizer.padding_side = "left"
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "<image>\n" + r["prompt"][0]["content"]}],
-            add_generation_prompt=True, tokenize=False,
-        )
-        for r in records
-    ]  # fmt: skip
-    images = [Image.open(io.BytesIO(r["images"][0])).convert("RGB") for r in records]
-    batch = processor(text=prompts, images=images, padding=True, return_tensors="pt")
-    assert int((batch["input_ids"] == processor.image_token_id).sum()) == (
-        ROWS * vlm_shapes.IMAGE_TOKENS
-    )
+    # each picture is its 16 tokens in the prompt
+    picture = Image.open(io.BytesIO(records[0]["images"][0])).convert("RGB")
+    one = processor(text=["<image>\nq"], images=[picture], return_tensors="pt")
+    assert int((one["input_ids"] == processor.image_token_id).sum()) == vlm_shapes.IMAGE_TOKENS
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the build's check ran: the same sums
     try:
-        with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=6, do_sample=False)
+        answers = vlm_shapes.greedy_answers(model, processor, records)
     finally:
         torch.set_num_threads(threads)
-    answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :],
-                                     skip_special_tokens=True)  # fmt: skip
     assert answers == built["answers"][:ROWS]
     # one-word answers, as trained; and the designed confusion leaves room for alignment
     right = [shapes_answer_matches(r["answer"], a) for r, a in zip(records, answers, strict=True)]
@@ -113,7 +100,6 @@ def test_dpo_checks_held_out_answers_with_their_pictures(tmp_path) -> None:
     picture: before training it is the share of the first 16 `shapes-vqa-pref-eval` rows whose
     greedy answer, computed here with transformers alone, is the row's answer."""
     from conftest import run_inline
-    from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from align_anything.data.builtin import shapes_answer_matches
@@ -133,24 +119,8 @@ def test_dpo_checks_held_out_answers_with_their_pictures(tmp_path) -> None:
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     processor = AutoProcessor.from_pretrained(folder)
     records = load_records("shapes-vqa-pref-eval")[0][:ROWS]
-    tokenizer = processor.tokenizer
-    tokenizer.padding_side = "left"
-    # A row's text names where its pictures go ("<image>"); one without gets its picture first.
-    texts = [r["prompt"][0]["content"] for r in records]
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": t if "<image>" in t else "<image>\n" + t}],
-            add_generation_prompt=True, tokenize=False,
-        )
-        for t in texts
-    ]  # fmt: skip
-    images = [Image.open(io.BytesIO(png)).convert("RGB") for r in records for png in r["images"]]
-    assert len(images) > ROWS  # rows with two pictures among them
-    batch = processor(text=prompts, images=images, padding=True, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=6, do_sample=False)
-    answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :],
-                                     skip_special_tokens=True)  # fmt: skip
+    assert sum(len(r["images"]) for r in records) > ROWS  # rows with two pictures among them
+    answers = vlm_shapes.greedy_answers(model, processor, records)
     right = [shapes_answer_matches(r["answer"], a) for r, a in zip(records, answers, strict=True)]
     assert 0 < sum(right) < ROWS  # the model reads the pictures, with its designed confusions
     assert measured == sum(right) / ROWS

@@ -126,6 +126,34 @@ def build_model(language_folder: Path | str, seed: int = 0) -> tuple[Any, Any]:
     return model, processor
 
 
+def greedy_answers(model: Any, processor: Any, records: list[dict], max_new_tokens: int = 6
+                   ) -> list[str]:  # fmt: skip
+    """Greedy answers of `model` to picture-question `records` (the `shapes-vqa` sets' rows:
+    `prompt`, `images` as PNG bytes), with transformers alone: each question through the chat
+    template, its pictures where its text names them (`<image>`), else one picture first, as
+    the family places them; left padding, one batch."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    tokenizer = processor.tokenizer
+    tokenizer.padding_side = "left"
+    texts = [r["prompt"][0]["content"] for r in records]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t if "<image>" in t else IMAGE_BLOCK + t}],
+            add_generation_prompt=True, tokenize=False,
+        )
+        for t in texts
+    ]  # fmt: skip
+    images = [Image.open(io.BytesIO(png)).convert("RGB") for r in records for png in r["images"]]
+    batch = processor(text=prompts, images=images, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
 def trained_state(model: Any) -> dict[str, Any]:
     """The tower's and the projector's tensors (what ships), by their names in the model."""
     return {
