@@ -163,12 +163,14 @@ def generate(seed: int = SEED) -> dict[str, list[dict]]:
 
 def write_all(directory: Path = BUILTIN_DIR) -> dict[str, int]:
     """Regenerate every `tones-qa` set under `directory`; returns {name: row count}."""
-    from align_anything.families.text_to_image import shapes
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     directory.mkdir(parents=True, exist_ok=True)
     counts = {}
     for name, rows in generate().items():
-        shapes.write_parquet(rows, directory / QA_DATASETS[name])
+        pq.write_table(pa.Table.from_pylist(rows), directory / QA_DATASETS[name],
+                       compression="zstd")  # fmt: skip
         counts[name] = len(rows)
     return counts
 
