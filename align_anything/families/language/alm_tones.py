@@ -29,6 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from align_anything.families.language import shipped_parts
 from align_anything.families.language.vlm_shapes import content_block_template
 
 NAME = "qwen2audio-smollm2-tones"
@@ -111,34 +112,17 @@ def build_model(language_folder: Path | str, seed: int = 0) -> tuple[Any, Any]:
 
 def trained_state(model: Any) -> dict[str, Any]:
     """The encoder's and the projector's tensors (what ships), by their names in the model."""
-    return {
-        name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
-        if name.startswith(TRAINED_PREFIXES)
-    }
+    return shipped_parts.trained_state(model, TRAINED_PREFIXES)
 
 
 def load_trained(model: Any, path: Path) -> None:
     """Load the shipped encoder and projector into `model` (every one of their tensors)."""
-    from safetensors.torch import load_file
-
-    from align_anything.errors import ModelError
-
-    parts = load_file(str(path))
-    expected = set(trained_state(model))
-    if set(parts) != expected:
-        missing, extra = sorted(expected - set(parts)), sorted(set(parts) - expected)
-        raise ModelError(f"{path}: missing {missing[:3]}, unexpected {extra[:3]}")
-    model.load_state_dict(parts, strict=False)
+    shipped_parts.load_trained(model, path, TRAINED_PREFIXES)
 
 
 def assemble(target: Path) -> None:
     """Write the complete `qwen2audio-smollm2-tones` folder to `target`: SmolLM2 (the built-in,
     converted on first use) with the shipped encoder and projector; safetensors, the processor
     beside it."""
-    from align_anything.families.zoo import resolve_model_path
-
-    model, processor = build_model(resolve_model_path(LANGUAGE_MODEL))
-    load_trained(model, SHIPPED_DIR / PARTS_FILE)
-    model.save_pretrained(target, safe_serialization=True)
-    processor.save_pretrained(target)
+    shipped_parts.assemble(target, build_model, LANGUAGE_MODEL, SHIPPED_DIR / PARTS_FILE,
+                           TRAINED_PREFIXES)  # fmt: skip

@@ -23,6 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from align_anything.families.language import shipped_parts
+
 NAME = "llava-smollm2-shapes"
 SHIPPED_DIR = Path(__file__).parent / "builtin" / NAME
 PARTS_FILE = "vision_parts.safetensors"
@@ -156,34 +158,17 @@ def greedy_answers(model: Any, processor: Any, records: list[dict], max_new_toke
 
 def trained_state(model: Any) -> dict[str, Any]:
     """The tower's and the projector's tensors (what ships), by their names in the model."""
-    return {
-        name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
-        if name.startswith(TRAINED_PREFIXES)
-    }
+    return shipped_parts.trained_state(model, TRAINED_PREFIXES)
 
 
 def load_trained(model: Any, path: Path) -> None:
     """Load the shipped tower and projector into `model` (every one of their tensors)."""
-    from safetensors.torch import load_file
-
-    from align_anything.errors import ModelError
-
-    parts = load_file(str(path))
-    expected = set(trained_state(model))
-    if set(parts) != expected:
-        missing, extra = sorted(expected - set(parts)), sorted(set(parts) - expected)
-        raise ModelError(f"{path}: missing {missing[:3]}, unexpected {extra[:3]}")
-    model.load_state_dict(parts, strict=False)
+    shipped_parts.load_trained(model, path, TRAINED_PREFIXES)
 
 
 def assemble(target: Path) -> None:
     """Write the complete `llava-smollm2-shapes` folder to `target`: SmolLM2 (the built-in,
     converted on first use) with the shipped tower and projector; safetensors, the processor
     beside it."""
-    from align_anything.families.zoo import resolve_model_path
-
-    model, processor = build_model(resolve_model_path(LANGUAGE_MODEL))
-    load_trained(model, SHIPPED_DIR / PARTS_FILE)
-    model.save_pretrained(target, safe_serialization=True)
-    processor.save_pretrained(target)
+    shipped_parts.assemble(target, build_model, LANGUAGE_MODEL, SHIPPED_DIR / PARTS_FILE,
+                           TRAINED_PREFIXES)  # fmt: skip
