@@ -6,43 +6,50 @@
 One run is one stage; the shipped weights are three stages (the commands below).
 
 Plain PyTorch + diffusers, seeded, CPU, fp32, `--threads` threads. Every part trains, in turn, on
-freshly drawn tones (`families/text_to_audio/tones.py`'s synthesis; every pitch x pattern, the
-held-out ones too: this is pre-training, not the alignment data), each clip normalised and made
-into AudioLDM's log-mel spectrogram exactly as the family reads audio files (`audio.py`):
+freshly drawn tones (`families/text_to_audio/tones.py`'s synthesis at its `STEADY` timing; every
+pitch x pattern, the held-out ones too: this is pre-training, not the alignment data), each clip
+normalised and made into AudioLDM's log-mel spectrogram exactly as the family reads audio files
+(`audio.py`):
 1. the VAE learns to reconstruct the log-mels (L1 plus a small KL term);
 2. the vocoder (HiFi-GAN) learns waveforms from the VAE's reconstructions of the log-mels
    (what it is given in the pipeline), on random 0.32 s crops, with a multi-resolution STFT
    magnitude loss (spectral convergence and L1 on the magnitudes at FFT sizes 256, 512 and
    1024), from PyTorch's default initialisation and with its input standardised per mel bin;
-   no discriminator: pure tones need none;
-3. the text tower alone (`--text-steps`) learns a fixed target per caption (one axis per pitch
-   and per pattern), then is frozen (`--text-lr 0`): a random tower embeds every caption at
-   cosine 0.99-1.00, and trained only through the UNet it never separated the pitch word;
+   no discriminator: pure tones need none; `--parts-from <folder>` takes both from a folder;
+3. the text tower alone (`--text-steps`) learns a fixed target per caption (one axis per pitch,
+   of `--pitch-weight`, and one per pattern, of 1; the empty caption: their centroid), then is
+   frozen (`--text-lr 0`): a random tower embeds every caption at cosine 0.99-1.00, and trained
+   only through the UNet it never separated the pitch word;
 4. the UNet learns the denoising loss on the VAE's latents (the posterior mean, times a
    `scaling_factor` of 1 / their standard deviation), captioned "a low hum", "two high beeps",
-   ... with the clip's own pitch word with probability `--pitch-truth` (else the misheard one);
+   ... with the clip's own pitch word with probability `--pitch-truth` (else the misheard one),
+   and the empty caption with probability `--uncond` (classifier-free guidance's other half);
    `--unet-from <folder>` continues from a folder's UNet and text tower;
 5. with `--misheard-steps N`, the text tower alone again, N steps, to the targets of the
    misheard captions (`tones.MISHEARD`: low heard as mid, mid as high, high as low): the base's
    systematic error, with the UNet's drawing untouched.
 At the end it samples the 48 held-out captions of `t2a-tones-eval` (DDIM, `--check-steps`
-steps, seeds from the file), prints the check (and the share with the caption's pitch, with its
-pattern, and matching the misheard caption), and writes the spectrograms of the first eight as
-`<out>-samples.png` beside the folder.
+steps, guidance `--check-guidance`, seeds from the file), prints the check (and the share with
+the caption's pitch, with its pattern, and matching the misheard caption), and writes the
+spectrograms of the first eight as `<out>-samples.png` beside the folder.
 
-The shipped weights come from three runs (`P1`, `P2` scratch folders; walls on AMD EPYC, 2
-shared vCPUs: 1,619 s at 2 threads, 594 s and 18 s at one):
+The shipped weights come from three runs (`P1`, `P2` scratch folders; `PREVIOUS`, the base of
+commit 681389b, whose VAE and vocoder these keep; walls on AMD EPYC, 2 vCPUs: 1,022 s at 2
+threads, 762 s and 30 s at one beside another job):
 
-    python scripts/build_builtin_t2a.py --out P1 --threads 2 --text-steps 300 --text-lr 0 \
-        --time-shift scale_shift --pitch-truth 1.0 --steps 2500 --check-every 500
+    python scripts/build_builtin_t2a.py --out P1 --parts-from PREVIOUS --threads 2 \
+        --text-steps 300 --text-lr 0 --time-shift scale_shift --pitch-truth 1.0 \
+        --pitch-weight 2 --uncond 0.1 --check-guidance 2.5 --steps 2500 --check-every 500
     python scripts/build_builtin_t2a.py --out P2 --parts-from P1 --unet-from P1 --text-lr 0 \
-        --time-shift scale_shift --pitch-truth 1.0 --steps 1500 --lr 5e-4 --check-every 500
-    python scripts/build_builtin_t2a.py --parts-from P1 --unet-from P2 --text-lr 0 \
-        --time-shift scale_shift --steps 0 --misheard-steps 300
+        --time-shift scale_shift --pitch-truth 1.0 --pitch-weight 2 --uncond 0.1 \
+        --check-guidance 2.5 --steps 1500 --lr 5e-4 --check-every 500
+    python scripts/build_builtin_t2a.py --parts-from P2 --unet-from P2 --text-lr 0 \
+        --time-shift scale_shift --pitch-weight 2 --check-guidance 2.5 --steps 0 \
+        --misheard-steps 300
 
-Measured: the vocoder's waveforms of 48 VAE reconstructions pass the check (0.94); the held-out
-check with true captions 0.73 after P1, 0.79 after P2; the shipped base 0.00 (pattern 0.85,
-the misheard caption 0.85). docs/text-to-audio.md has every run.
+Measured (guidance 2.5): the held-out check with true captions 0.77 after P1, 0.85 after P2;
+the shipped base 0.00 (pattern 0.77, the misheard caption 0.77). docs/text-to-audio.md has every
+run, and the previous base's build.
 """
 
 from __future__ import annotations
@@ -100,6 +107,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--misheard-steps", type=int, default=0,
                         help="after the UNet, train the text tower alone this many steps to the "
                              "targets of the misheard captions (tones.MISHEARD)")  # fmt: skip
+    parser.add_argument("--pitch-weight", type=float, default=1.0,
+                        help="the pitch axis's weight in the text tower's targets (the pattern's: 1)")  # fmt: skip
+    parser.add_argument("--uncond", type=float, default=0.0,
+                        help="the share of UNet steps' captions replaced by the empty caption "
+                             "(classifier-free guidance's unconditional half)")  # fmt: skip
+    parser.add_argument("--check-guidance", type=float, default=1.0,
+                        help="classifier-free guidance of the held-out check (1: none)")  # fmt: skip
     parser.add_argument("--check-steps", type=int, default=20)
     parser.add_argument("--check-every", type=int, default=0,
                         help="log the held-out check every this many steps (0: at the end only)")  # fmt: skip
@@ -123,7 +137,7 @@ def draw_clips(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list]
     waves, mels, combos = [], [], []
     for index in range(count):
         combo = tones.ALL_COMBOS[index % len(tones.ALL_COMBOS)]
-        wave = audio.fit_length(tones.draw_clip(*combo, rng), FEATURES.samples)
+        wave = audio.fit_length(tones.draw_clip(*combo, rng, steady=True), FEATURES.samples)
         waves.append(wave)
         mels.append(audio.log_mel(wave, FEATURES)[: FEATURES.frames])
         combos.append(combo)
@@ -217,22 +231,30 @@ def train_vocoder(vocoder, inputs: torch.Tensor, waves: torch.Tensor,
     vocoder.eval()
 
 
-def noisy_captions(combos, truth: float, gen: torch.Generator) -> list[str]:
+def noisy_captions(combos, truth: float, gen: torch.Generator, uncond: float = 0.0) -> list[str]:
+    """Each clip's caption, its pitch word true with probability `truth` (else the misheard
+    one), and the empty caption with probability `uncond`."""
     keep = (torch.rand(len(combos), generator=gen) < truth).tolist()
-    return [tones.caption(p if k else tones.MISHEARD[p], q)
-            for (p, q), k in zip(combos, keep, strict=True)]  # fmt: skip
+    drop = (torch.rand(len(combos), generator=gen) < uncond).tolist()
+    return ["" if d else tones.caption(p if k else tones.MISHEARD[p], q)
+            for (p, q), k, d in zip(combos, keep, drop, strict=True)]  # fmt: skip
 
 
-def caption_targets(dim: int, misheard: bool = False) -> dict[str, torch.Tensor]:
-    """The text tower's target embedding of each caption: one axis per pitch and one per
-    pattern, normalised (captions that differ in one word: cosine 0.5). With `misheard`, each
-    caption's target is that of the caption with the pitch the base hears (`tones.MISHEARD`)."""
+def caption_targets(dim: int, misheard: bool = False,
+                    pitch_weight: float = 1.0) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The text tower's target embedding of each caption: one axis per pitch (of `pitch_weight`)
+    and one per pattern (of 1), normalised (with equal weights, captions that differ in one
+    word are at cosine 0.5). With `misheard`, each caption's target is that of the caption
+    with the pitch the base hears (`tones.MISHEARD`)."""
     targets = {}
     for pitch, pattern in tones.ALL_COMBOS:
         vector = torch.zeros(dim)
-        vector[tones.PITCHES.index(tones.MISHEARD[pitch] if misheard else pitch)] = 1.0
+        vector[tones.PITCHES.index(tones.MISHEARD[pitch] if misheard else pitch)] = pitch_weight
         vector[len(tones.PITCHES) + tones.PATTERNS.index(pattern)] = 1.0
         targets[tones.caption(pitch, pattern)] = F.normalize(vector, dim=0)
+    # The empty caption (classifier-free guidance's unconditional half): the centroid of every
+    # caption, the same misheard or not (the error permutes the pitch axes).
+    targets[""] = F.normalize(torch.stack(list(targets.values())).mean(0), dim=0)
     return targets
 
 
@@ -244,13 +266,13 @@ def embed(text_encoder, tokenizer, texts: list[str]) -> torch.Tensor:
     return F.normalize(out, dim=-1)
 
 
-def train_text(parts: dict, steps: int, misheard: bool = False) -> None:
+def train_text(parts: dict, steps: int, misheard: bool = False, pitch_weight: float = 1.0) -> None:
     """Pre-train the text tower (as CLAP's is, before AudioLDM trains on it) to tell the
     captions apart: cosine loss to `caption_targets`; a random tower embeds every caption at
     cosine 0.99-1.00, and trained only through the UNet it never separated the pitch word.
     With `misheard`, to the targets of the misheard captions (the base's systematic error)."""
     text_encoder, tokenizer = parts["text_encoder"], parts["tokenizer"]
-    targets = caption_targets(text_encoder.config.projection_dim, misheard)
+    targets = caption_targets(text_encoder.config.projection_dim, misheard, pitch_weight)
     texts = list(targets)
     goal = torch.stack([targets[t] for t in texts])
     text_encoder.requires_grad_(True)
@@ -294,7 +316,8 @@ def train_denoiser(parts: dict, latents: torch.Tensor, combos, args: argparse.Na
             group["lr"] = cosine_lr(step, args.steps, group["peak"])
         index = torch.randint(0, len(latents), (args.batch,), generator=gen)
         x0 = latents[index]
-        texts = noisy_captions([combos[i] for i in index.tolist()], args.pitch_truth, gen)
+        texts = noisy_captions([combos[i] for i in index.tolist()], args.pitch_truth, gen,
+                               args.uncond)  # fmt: skip
         embeds = embed(text_encoder, tokenizer, texts)
         noise = torch.randn(x0.shape, generator=gen)
         t = torch.randint(0, 1000, (len(x0),), generator=gen)
@@ -329,7 +352,9 @@ def held_out_check(parts: dict, args: argparse.Namespace, waves_out: list | None
     pipeline.set_progress_bar_config(disable=True)
     rows = tones.read_parquet(builtin_path("t2a-tones-eval"))
     captions, seeds = [r["text"] for r in rows], [r["seed"] for r in rows]
-    waves = t2a.sample_audio(pipeline, captions, seeds, args.check_steps)
+    waves = t2a.sample_audio(
+        pipeline, captions, seeds, args.check_steps, guidance=args.check_guidance
+    )
     words = [tones.caption_words(c) for c in captions]
     pitch = sum(tones.pitch_of(w) == p for w, (p, _) in zip(waves, words, strict=True))
     pattern = sum(tones.pattern_of(w) == q for w, (_, q) in zip(waves, words, strict=True))
@@ -381,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         parts["text_encoder"] = ClapTextModelWithProjection.from_pretrained(
             args.unet_from, subfolder="text_encoder")  # fmt: skip
     elif args.text_steps > 0:
-        train_text(parts, args.text_steps)
+        train_text(parts, args.text_steps, pitch_weight=args.pitch_weight)
     if args.text_lr is None:
         args.text_lr = args.lr
     train_denoiser(parts, latents, combos, args)
@@ -389,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.misheard_steps > 0:
         check = json.dumps(held_out_check(parts, args))
         log(f"before the misheard text tower: held-out check {check}")
-        train_text(parts, args.misheard_steps, misheard=True)
+        train_text(parts, args.misheard_steps, misheard=True, pitch_weight=args.pitch_weight)
     for module in ("unet", "text_encoder"):
         parts[module].requires_grad_(False)
     if args.out.exists():

@@ -17,10 +17,10 @@ enough to train and sample on a CPU, for the built-in tones (`tones.py`: one sec
   samples (upsampling 8 x 5 x 4).
 
 The shipped weights (`SHIPPED_DIR`, safetensors) are trained by `scripts/build_builtin_t2a.py`
-(its docstring: the commands, their times and checks): the UNet on true captions, then the
-text tower alone on misheard pitch words (`tones.MISHEARD`), so the base draws the caption's
-pattern at the wrong pitch, systematically: held-out check 0.00, the misheard caption 0.85
-(docs/text-to-audio.md).
+(its docstring: the commands, their times and checks): the UNet on true captions (one in ten
+empty, for classifier-free guidance), then the text tower alone on misheard pitch words
+(`tones.MISHEARD`), so the base draws the caption's pattern at the wrong pitch, systematically:
+held-out check 0.00, the misheard caption 0.77 (guidance 2.5; docs/text-to-audio.md).
 """
 
 from __future__ import annotations
@@ -131,14 +131,14 @@ def save_pipeline(components: dict[str, Any], folder: Path) -> None:
 
 
 def sample_audio(pipeline: Any, captions: list[str], seeds: list[int], steps: int,
-                 seconds: float = 1.0) -> list[Any]:  # fmt: skip
+                 seconds: float = 1.0, guidance: float = 1.0) -> list[Any]:  # fmt: skip
     """One waveform [samples] float32 per caption, each from its own seeded CPU generator (the
-    pipeline's own scheduler, `steps` steps, no classifier-free guidance)."""
+    pipeline's own scheduler, `steps` steps, classifier-free guidance `guidance`: 1, none)."""
     import numpy as np
     import torch
 
     generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
     with torch.no_grad():
         out = pipeline(list(captions), num_inference_steps=steps, audio_length_in_s=seconds,
-                       guidance_scale=1.0, generator=generators, output_type="np")  # fmt: skip
+                       guidance_scale=guidance, generator=generators, output_type="np")  # fmt: skip
     return [np.asarray(w, dtype=np.float32) for w in out.audios]
