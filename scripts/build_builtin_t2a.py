@@ -235,7 +235,12 @@ def noisy_captions(combos, truth: float, gen: torch.Generator, uncond: float = 0
     """Each clip's caption, its pitch word true with probability `truth` (else the misheard
     one), and the empty caption with probability `uncond`."""
     keep = (torch.rand(len(combos), generator=gen) < truth).tolist()
-    drop = (torch.rand(len(combos), generator=gen) < uncond).tolist()
+    # Drawn only when asked for, so that a build without it keeps its random stream.
+    drop = (
+        (torch.rand(len(combos), generator=gen) < uncond).tolist()
+        if uncond > 0
+        else [False] * len(combos)
+    )
     return ["" if d else tones.caption(p if k else tones.MISHEARD[p], q)
             for (p, q), k, d in zip(combos, keep, drop, strict=True)]  # fmt: skip
 

@@ -101,8 +101,9 @@ def caption_words(text: str) -> tuple[str | None, str | None]:
 # The ranges (seconds) each pattern's timing is drawn from: (start), (length) or, for two beeps,
 # (start, first length, gap, second length). VARIED places the tones anywhere (the audio-text
 # questions, `tones_qa.py`); STEADY at about fixed times (the text-to-audio sets and the
-# built-in generator's pre-training): a generator this small drew two beeps at random places
-# in only half its clips, and two beeps 0.2 s apart at about fixed times in (docs/text-to-audio.md).
+# built-in generator's pre-training): a generator this small drew two beeps at random places in
+# only half its clips (docs/text-to-audio.md). STEADY's gap of 0.12-0.15 s is one the VAE and
+# vocoder keep at 2 kHz and the UNet draws; 0.07-0.09 s merged, 0.2-0.26 s came out as one blob.
 VARIED = {"hum": ((0.05, 0.15), (0.7, 0.8)), "beep": ((0.1, 0.5), (0.15, 0.25)),
           "two beeps": ((0.05, 0.3), (0.12, 0.18), (0.12, 0.2), (0.12, 0.18))}  # fmt: skip
 STEADY = {"hum": ((0.08, 0.12), (0.72, 0.78)), "beep": ((0.36, 0.44), (0.17, 0.23)),
