@@ -23,8 +23,7 @@ from torch import Tensor
 
 from align_anything.backend.engine import InferenceEngine
 from align_anything.families import diffusion
-from align_anything.families.diffusion import PipelineInfo, adapters_disabled
-from align_anything.families.diffusion import family as pipelines
+from align_anything.families.diffusion import PipelineInfo, adapters_disabled, outputs
 from align_anything.families.diffusion.family import PipelineSide
 from align_anything.families.diffusion.forward import (
     NoiseDraw,
@@ -183,8 +182,8 @@ class Pictures:
     after)."""
 
     run: Run
-    samples: pipelines.Samples
-    check: pipelines.OutputCheck | None
+    samples: outputs.Samples
+    check: outputs.OutputCheck | None
     check_samples: int
     section: Any
     shown: list[str] = field(default_factory=list)
@@ -192,7 +191,7 @@ class Pictures:
     def evaluate(self, label: str) -> dict[str, float]:
         """`eval/<medium>_check` (where the data has a check), and the samples before and
         after training. Collective."""
-        results = pipelines.run_check(
+        results = outputs.run_check(
             self.run, self.check, samples=self.check_samples, section=self.section
         )
         if label in ("before", "after"):
@@ -223,8 +222,8 @@ def build_reference(run: Run) -> tuple[Any, str]:
 
 def pictures(run: Run, section: Any) -> Pictures:
     """The run's samples and held-out check; their start-up summary lines."""
-    check = pipelines.output_check(run)
-    samples = pipelines.build_samples(run, section)
+    check = outputs.output_check(run)
+    samples = outputs.build_samples(run, section)
     run.summary.append(samples.describe())
     if check is not None and section.check_samples:
         count = min(section.check_samples, len(check.captions))

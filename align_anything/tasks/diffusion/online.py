@@ -57,8 +57,7 @@ from torch import Tensor
 from align_anything.backend import distributed as comm
 from align_anything.config import RunConfig
 from align_anything.errors import ConfigError, UserError
-from align_anything.families.diffusion import family as pipelines
-from align_anything.families.diffusion import sde
+from align_anything.families.diffusion import outputs, sde
 from align_anything.families.diffusion.family import PipelineSide
 from align_anything.families.diffusion.forward import batch_to
 from align_anything.families.diffusion.latents import row_tensors
@@ -342,7 +341,7 @@ class ImageRL(Task):
         entry = self.eval_rows.entry
         sources = [self.eval_rows[i].source for i in range(count)]
         prompts = [entry.captions[int(entry.rows[s, 0])] for s in sources]
-        images = pipelines.draw(
+        images = outputs.draw(
             self.model, self.policy, prompts, list(range(count)),
             steps=self.section.sample_steps, guidance_scale=self.section.guidance_scale,
             rank=self.rank, world=self.world,
