@@ -116,6 +116,21 @@ def test_diffusion_dpo_gradients_push_the_chosen_error_down() -> None:
     assert policy_w.grad[0].item() == pytest.approx(-0.2)
 
 
+def test_diffusion_dpo_sft_weight_adds_the_chosen_error() -> None:
+    policy_w = POLICY_W.clone().requires_grad_(True)
+    out = losses.diffusion_dpo_loss(policy_w, POLICY_L, REF_W, REF_L, beta=BETA, sft_weight=2.0)
+    # Each pair's loss gains 2·θ_w: −log σ(1) + 0.4, −log σ(−0.5) + 1.2, ln 2 + 0.6.
+    plain = [math.log(1 + math.exp(-1.0)), math.log(1 + math.exp(0.5)), math.log(2)]
+    assert out.losses.tolist() == pytest.approx([plain[0] + 0.4, plain[1] + 1.2, plain[2] + 0.6])
+    # The gradient on θ_w gains the weight: 5·(1 − σ(1)) + 2 (1.3447 + 2).
+    out.losses[0].backward()
+    assert policy_w.grad[0].item() == pytest.approx(1.3447071068499756 + 2.0)
+    # The logits, and so every reward metric, are those of plain Diffusion-DPO.
+    assert out.logits.tolist() == pytest.approx(_dpo("sigmoid").logits.tolist())
+    with pytest.raises(ValueError, match="sft_weight"):
+        losses.diffusion_dpo_loss(POLICY_W, POLICY_L, REF_W, REF_L, beta=1, sft_weight=-1)
+
+
 def test_diffusion_dpo_reference_gets_no_gradient() -> None:
     ref_w = REF_W.clone().requires_grad_(True)
     out = losses.diffusion_dpo_loss(POLICY_W, POLICY_L, ref_w, REF_L, beta=BETA)

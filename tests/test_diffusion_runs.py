@@ -237,7 +237,8 @@ def test_lora_under_zero3_saves_a_trained_adapter_diffusers_loads(
     data: Path, tmp_path: Path
 ) -> None:
     """The flow-matching SD3 pipeline, LoRA under ZeRO-3 (whose partitions are empty on a rank:
-    the adapter is saved from the gathered weights)."""
+    the adapter is saved from the gathered weights), with the chosen images' own MSE added
+    (`diffusion_dpo.sft_weight`)."""
     from diffusers import DiffusionPipeline
     from safetensors.torch import load_file
 
@@ -250,12 +251,17 @@ def test_lora_under_zero3_saves_a_trained_adapter_diffusers_loads(
             "train.per_device_batch_size=2",
             "model.lora.enabled=true",
             "train.max_steps=2",
+            "diffusion_dpo.sft_weight=100",
         ],  # fmt: skip
         tmp_path / "lora",
     ).check()
     assert run.zero_stage() == 3
     assert "adapters disabled (no copy)" in run.summary_line("reference")
-    assert run.train_steps()[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    # Step 1: policy = reference, so each pair's loss is ln 2 + 100·θ_w, and the batch's is
+    # ln 2 plus 100 times its mean chosen MSE.
+    first = run.train_steps()[0]
+    assert first["loss"] == pytest.approx(math.log(2) + 100 * first["mse/policy_chosen"], rel=1e-6)
+    assert first["rewards/margins"] == 0.0
     before, after = run.eval("before"), run.eval("after")
     # The reference is the base transformer: its MSEs never move; the policy's do.
     assert after["eval/mse/ref_chosen"] == before["eval/mse/ref_chosen"]

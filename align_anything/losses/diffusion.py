@@ -96,6 +96,7 @@ class DiffusionDPOOutput(NamedTuple):
 def diffusion_dpo_loss(
     policy_mse_chosen: Tensor, policy_mse_rejected: Tensor, ref_mse_chosen: Tensor,
     ref_mse_rejected: Tensor, *, beta: float, loss_type: str = "sigmoid",
+    sft_weight: float = 0.0,
 ) -> DiffusionDPOOutput:  # fmt: skip
     """Diffusion-DPO (Wallace et al. 2023) on per-sample MSEs of a pair's chosen (w) and
     rejected (l) image, both noised with the same noise at the same timestep, under the policy
@@ -116,9 +117,16 @@ def diffusion_dpo_loss(
     β: diffusers' research script (`train_diffusion_dpo.py`) uses the same β·logits; the
     paper's own code (SalesforceAIResearch/DiffusionDPO) scales by −½·β_dpo, so its β_dpo is
     2β here (its SDXL 5000 is β = 2500 here, its SD 1.5 2000 is β = 1000).
+
+    `sft_weight` w adds w·θ_w, the chosen image's own denoising loss (as RPO adds the chosen
+    completion's NLL to text DPO): it keeps the policy's error on what it is pushed towards
+    from rising while the margin grows. At the start the sigmoid loss pulls θ_w down with
+    weight β/2, so w = β/2 matches it.
     """
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
+    if sft_weight < 0:
+        raise ValueError(f"sft_weight must be >= 0, got {sft_weight}")
     if loss_type not in DIFFUSION_DPO_LOSS_TYPES:
         raise ValueError(
             f"unknown Diffusion-DPO loss_type {loss_type!r}; one of "
@@ -137,6 +145,8 @@ def diffusion_dpo_loss(
         losses = torch.relu(1 - beta * logits)
     else:
         losses = (logits - 1 / (2 * beta)) ** 2
+    if sft_weight:
+        losses = losses + sft_weight * theta_w
     detached = logits.detach()
     chosen = beta * (ref_w - theta_w.detach())
     rejected = beta * (ref_l - theta_l.detach())

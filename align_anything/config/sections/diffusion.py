@@ -65,3 +65,7 @@ class DiffusionDPOSection(_Diffusion):
     loss_type: Literal["sigmoid", "hinge", "ipo"] = Field(
         description="sigmoid (Wallace et al. 2023), hinge (relu(1 - beta * logits)) or ipo ((logits - 1/(2 beta))^2).",
     )
+    sft_weight: float = Field(
+        ge=0.0,
+        description="Weight of the chosen image's own denoising loss (its MSE) added to each pair's loss, as RPO adds the chosen NLL to text DPO: it keeps the policy from losing the chosen images while the margin grows. At the start the sigmoid loss weighs the chosen MSE by beta/2, so beta/2 matches it. 0: plain Diffusion-DPO.",
+    )

@@ -55,6 +55,7 @@ class DiffusionDPO(Task):
     denoise: Denoising
     beta: float
     loss_type: str
+    sft_weight: float
     pictures: Pictures
     name: str = "diffusion_dpo"
     metric_keys: tuple[str, ...] = METRICS
@@ -73,8 +74,9 @@ class DiffusionDPO(Task):
         with torch.no_grad():
             ref_w, ref_l = self.denoise.paired_mse(self.reference, batch)
         out = diffusion_dpo_loss(
-            theta_w, theta_l, ref_w, ref_l, beta=self.beta, loss_type=self.loss_type
-        )
+            theta_w, theta_l, ref_w, ref_l, beta=self.beta, loss_type=self.loss_type,
+            sft_weight=self.sft_weight,
+        )  # fmt: skip
         metrics = {"loss": out.losses.detach().sum()}
         metrics.update({key: value.sum() for key, value in out.metrics.items()})
         return LossOutput({"policy": out.losses.sum() / normalizer}, metrics)
@@ -92,7 +94,8 @@ def build(run: Run) -> tuple[DiffusionDPO, RowBatches]:
     run.summary.append(f"  reference       {line}")
     task = DiffusionDPO(
         policy=run.policy, reference=reference, denoise=denoising(run, section),
-        beta=section.beta, loss_type=section.loss_type, pictures=pictures(run, section),
+        beta=section.beta, loss_type=section.loss_type, sft_weight=section.sft_weight,
+        pictures=pictures(run, section),
     )  # fmt: skip
     return task, image_rows(run, task.collate)
 
