@@ -199,12 +199,17 @@ def perturbed(unet: torch.nn.Module, scale: float = 0.05) -> torch.nn.Module:
     return policy
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo"])
-def test_dpo_loss_by_hand_with_shared_noise_and_timestep(setup: Setup, loss_type: str) -> None:
+@pytest.mark.parametrize(
+    ("loss_type", "sft_weight"), [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0), ("sigmoid", 20.0)]
+)
+def test_dpo_loss_by_hand_with_shared_noise_and_timestep(
+    setup: Setup, loss_type: str, sft_weight: float
+) -> None:
     beta = 50.0
     policy = perturbed(setup.unet)
     task = DiffusionDPO(policy=policy, reference=setup.unet, denoise=denoising(setup),
-                        beta=beta, loss_type=loss_type, pictures=None)  # fmt: skip
+                        beta=beta, loss_type=loss_type, pictures=None,
+                        sft_weight=sft_weight)  # fmt: skip
     rows = [setup.pairs[0].at(2), setup.pairs[3].at(2)]
     with torch.no_grad():
         out = task.loss(task.collate(rows), normalizer=2.0, training=True)
@@ -218,11 +223,12 @@ def test_dpo_loss_by_hand_with_shared_noise_and_timestep(setup: Setup, loss_type
         ref_l, _ = by_hand(setup.unet, setup, rejected["latents"][i], embeds, 2, row)
         assert t_w == t_l  # one draw per pair
         logits = (ref_w - ref_l) - (theta_w - theta_l)
+        # the type's loss, plus the chosen image's own MSE at sft_weight
         losses.append({
             "sigmoid": math.log1p(math.exp(-beta * logits)),
             "hinge": max(0.0, 1 - beta * logits),
             "ipo": (logits - 1 / (2 * beta)) ** 2,
-        }[loss_type])  # fmt: skip
+        }[loss_type] + sft_weight * theta_w)  # fmt: skip
         margins.append(beta * logits)
     assert float(out.metrics["loss"]) == pytest.approx(sum(losses), rel=1e-4, abs=1e-7)
     assert float(out.losses["policy"]) == pytest.approx(sum(losses) / 2.0, rel=1e-4, abs=1e-7)

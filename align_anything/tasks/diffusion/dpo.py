@@ -5,7 +5,8 @@ Both images of a pair are noised with the same noise at the same timestep (one d
 seeded by the pair's row and the step) and go through the policy in one forward pass; their
 per-sample MSEs θ_w, θ_l against the target, and the frozen reference's ref_w, ref_l, give
 logits = (ref_w − ref_l) − (θ_w − θ_l) and the loss −log σ(β·logits) (hinge, IPO:
-`losses.diffusion_dpo_loss`), averaged over every pair of the global batch. The reference is
+`losses.diffusion_dpo_loss`; `diffusion_dpo.sft_weight` w adds w·θ_w, the chosen image's own
+denoising loss), averaged over every pair of the global batch. The reference is
 the base denoiser as loaded at the start of the run: a frozen copy (under ZeRO-3 a partitioned
 inference engine), or in a LoRA run the policy itself with its adapters disabled (no second
 copy).
@@ -48,15 +49,16 @@ METRICS = (
 @dataclass
 class DiffusionDPO(Task):
     """Diffusion-DPO on image pairs. `reference`: the frozen base denoiser (an
-    `InferenceEngine`, or `BaseDenoiser` in a LoRA run)."""
+    `InferenceEngine`, or `BaseDenoiser` in a LoRA run); `sft_weight`: the weight of the chosen
+    image's own MSE in each pair's loss (0: none)."""
 
     policy: Any
     reference: Any
     denoise: Denoising
     beta: float
     loss_type: str
-    sft_weight: float
     pictures: Pictures
+    sft_weight: float = 0.0
     name: str = "diffusion_dpo"
     metric_keys: tuple[str, ...] = METRICS
 
