@@ -24,7 +24,7 @@ from torch import Tensor
 from align_anything.backend.engine import InferenceEngine
 from align_anything.families import diffusion
 from align_anything.families.diffusion import PipelineInfo, adapters_disabled, outputs
-from align_anything.families.diffusion.family import PipelineSide
+from align_anything.families.diffusion.family import OutputCheck, PipelineSide
 from align_anything.families.diffusion.forward import (
     NoiseDraw,
     TimestepSampling,
@@ -183,7 +183,7 @@ class Pictures:
 
     run: Run
     samples: outputs.Samples
-    check: outputs.OutputCheck | None
+    check: OutputCheck | None
     check_samples: int
     section: Any
     shown: list[str] = field(default_factory=list)
